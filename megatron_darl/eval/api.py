@@ -1,0 +1,46 @@
+"""Eval role: benchmark evaluation config and result types.
+
+What it is: `EvalConfig` (which benchmark files, how many samples per problem, which metric)
+and the `EvalResult` record that evaluation produces.
+What it is not: the graders (they live in `rollout/rewards/`) or the generation backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during and after training."""
+
+    every_steps: int = 0  # evaluate every N train steps (0: only at the start and end)
+    num_problems: int = 500  # problems drawn from data.eval_source
+    samples_per_problem: int = 1  # k of avg@k / pass@k
+    temperature: float = 0.0  # 0 = greedy
+    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    benchmarks: list[str] = field(default_factory=list)  # extra data specs, e.g. "jsonl:/data/gsm8k_test.jsonl"
+
+    def check(self) -> list[tuple[str, str]]:
+        errs: list[tuple[str, str]] = []
+        if self.every_steps < 0:
+            errs.append(("every_steps", "must be >= 0"))
+        if self.num_problems < 1:
+            errs.append(("num_problems", "must be >= 1"))
+        if self.samples_per_problem < 1:
+            errs.append(("samples_per_problem", "must be >= 1"))
+        if self.temperature < 0:
+            errs.append(("temperature", "must be >= 0"))
+        return errs
+
+
+@dataclass
+class EvalResult:
+    """Accuracy of one benchmark: mean over problems of the mean (avg@k) or any (pass@k) score."""
+
+    name: str
+    num_problems: int
+    avg_at_k: float
+    pass_at_k: float
+    k: int
+    ci95: tuple[float, float] = (0.0, 0.0)  # normal-approximation interval of avg@k

@@ -1,0 +1,13 @@
+"""Rewards: math-verify grading, reasoning-gym verifiers, sandboxed code tests, user reward
+functions, all run by `RewardPool` in worker processes with a per-item time limit."""
+
+from megatron_darl.rollout.rewards.api import (
+    RewardConfig,
+    RewardFn,
+    RewardInput,
+    RewardResult,
+    TASK_KINDS,
+)
+from megatron_darl.rollout.rewards.pool import RewardPool
+
+__all__ = ["RewardConfig", "RewardFn", "RewardInput", "RewardPool", "RewardResult", "TASK_KINDS"]

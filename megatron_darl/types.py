@@ -1,0 +1,208 @@
+"""The only values that cross process boundaries: trajectories, train batches, weight versions.
+
+What it is: plain dataclasses over numpy arrays, with a flat-array form (`to_arrays` /
+`from_arrays`) that the shared-memory ring buffer stores byte for byte and reads back as
+zero-copy views. No pickle anywhere: every field is a fixed-dtype array or UTF-8 JSON bytes.
+What it is not: a container for model state or config; those never leave their process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# finish reasons as SGLang reports them (meta_info.finish_reason.type); codes for flat storage
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+# The flat form of a Trajectory: field name -> dtype, in storage order. Scalars are stored as
+# arrays of length 1 so that every field is a 1-D array a reader can view without copying.
+TRAJECTORY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
+    ("prompt_ids", np.dtype(np.int32)),
+    ("response_ids", np.dtype(np.int32)),
+    ("behav_logprobs", np.dtype(np.float32)),
+    ("behav_versions", np.dtype(np.int32)),
+    ("reward", np.dtype(np.float32)),
+    ("prompt_id", np.dtype(np.int64)),
+    ("group_id", np.dtype(np.int64)),
+    ("finish_reason", np.dtype(np.int8)),
+    ("metadata", np.dtype(np.uint8)),
+)
+
+
+@dataclass
+class Trajectory:
+    """One response to one prompt, as the rollout engine produced it.
+
+    A partial rollout interrupted by a weight update spans several behavior versions, so the
+    version is per token (`behav_versions`), next to the behavior log-prob of each token under
+    the sampling temperature (`behav_logprobs`). The G responses of one prompt share `group_id`.
+    """
+
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [R]
+    behav_logprobs: np.ndarray  # float32 [R], log mu(y_t) of each sampled token
+    behav_versions: np.ndarray  # int32 [R], weight version that sampled each token
+    reward: float
+    prompt_id: int  # unique per prompt draw: the unit of "trained exactly once" accounting
+    group_id: int  # the G responses of one prompt share it; a group is never split
+    finish_reason: str = "stop"  # one of FINISH_REASONS
+    metadata: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable only
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+        self.response_ids = np.asarray(self.response_ids, dtype=np.int32)
+        self.behav_logprobs = np.asarray(self.behav_logprobs, dtype=np.float32)
+        self.behav_versions = np.asarray(self.behav_versions, dtype=np.int32)
+        n = len(self.response_ids)
+        if len(self.behav_logprobs) != n or len(self.behav_versions) != n:
+            raise ValueError(
+                f"Trajectory(prompt_id={self.prompt_id}): response_ids has {n} tokens but "
+                f"behav_logprobs has {len(self.behav_logprobs)} and behav_versions "
+                f"{len(self.behav_versions)}; they must match token for token"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Trajectory.finish_reason={self.finish_reason!r}; allowed: {FINISH_REASONS}"
+            )
+
+    @property
+    def version(self) -> int:
+        """Behavior version of the sequence: the oldest version among its tokens (staleness is
+        measured from the oldest policy that contributed), -1 for an empty response."""
+        return int(self.behav_versions.min()) if len(self.behav_versions) else -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Flat form: one 1-D array per field of TRAJECTORY_FIELDS, in that order."""
+        meta = json.dumps(self.metadata, separators=(",", ":"), sort_keys=True).encode("utf-8")
+        values = {
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "behav_logprobs": self.behav_logprobs,
+            "behav_versions": self.behav_versions,
+            "reward": np.array([self.reward]),
+            "prompt_id": np.array([self.prompt_id]),
+            "group_id": np.array([self.group_id]),
+            "finish_reason": np.array([FINISH_REASONS.index(self.finish_reason)]),
+            "metadata": np.frombuffer(meta, dtype=np.uint8),
+        }
+        return {name: np.ascontiguousarray(values[name], dtype=dt) for name, dt in TRAJECTORY_FIELDS}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "Trajectory":
+        """Inverse of `to_arrays`. Token arrays are kept as given (views stay views)."""
+        missing = [name for name, _ in TRAJECTORY_FIELDS if name not in arrays]
+        if missing:
+            raise KeyError(f"Trajectory.from_arrays: missing fields {missing}")
+        code = int(arrays["finish_reason"][0])
+        if not 0 <= code < len(FINISH_REASONS):
+            raise ValueError(f"Trajectory.from_arrays: finish_reason code {code} out of range")
+        meta = bytes(arrays["metadata"]).decode("utf-8")
+        return cls(
+            prompt_ids=arrays["prompt_ids"],
+            response_ids=arrays["response_ids"],
+            behav_logprobs=arrays["behav_logprobs"],
+            behav_versions=arrays["behav_versions"],
+            reward=float(arrays["reward"][0]),
+            prompt_id=int(arrays["prompt_id"][0]),
+            group_id=int(arrays["group_id"][0]),
+            finish_reason=FINISH_REASONS[code],
+            metadata=json.loads(meta) if meta else {},
+        )
+
+
+def group_trajectories(trajs: list[Trajectory]) -> dict[int, list[Trajectory]]:
+    """Group responses by `group_id`, keeping arrival order inside each group."""
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    return groups
+
+
+@dataclass
+class TrainBatch:
+    """What the learner trains on: B sequences, right-padded to a common length L.
+
+    `tokens[i, :lengths[i]]` is prompt followed by response; `loss_mask` is 1 on response tokens
+    that count. Per-token log-prob arrays are aligned with `tokens` (the value at position t is
+    the log-prob of tokens[i, t] given the tokens before it; 0 on prompt and padding).
+    `prox_logprobs` is filled by the learner's recompute pass when the algorithm needs it.
+    """
+
+    tokens: np.ndarray  # int64 [B, L]
+    lengths: np.ndarray  # int64 [B]
+    loss_mask: np.ndarray  # float32 [B, L]
+    advantages: np.ndarray  # float32 [B]
+    behav_logprobs: np.ndarray  # float32 [B, L]
+    token_versions: np.ndarray  # int64 [B, L], -1 off the response
+    versions: np.ndarray  # int64 [B], per-sequence behavior version (Trajectory.version)
+    group_index: np.ndarray  # int64 [B], dense 0..G-1 index of each sequence's group
+    rewards: np.ndarray  # float32 [B]
+    prompt_ids: np.ndarray  # int64 [B]
+    prox_logprobs: np.ndarray | None = None  # float32 [B, L], learner-filled
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """A published set of policy weights: what engines load to move to `version`.
+
+    `kind` says where the Hugging Face-named tensors lie: "disk" (a safetensors folder at
+    `location`, for /update_weights_from_disk), "shm" (a shared-memory segment name, for an
+    embedded engine on the same node) or "nccl" (a broadcast group name, GPU clusters).
+    """
+
+    version: int
+    kind: str
+    location: str
+    num_bytes: int = 0
+
+
+def make_train_batch(trajs: list[Trajectory], advantages: np.ndarray) -> TrainBatch:
+    """Pad trajectories into a TrainBatch; `advantages[i]` belongs to `trajs[i]`.
+
+    Groups keep their order; `group_index` renumbers group ids densely in order of appearance.
+    """
+    if not trajs:
+        raise ValueError("make_train_batch: no trajectories")
+    b = len(trajs)
+    lengths = np.array([t.num_tokens for t in trajs], dtype=np.int64)
+    width = int(lengths.max())
+    tokens = np.zeros((b, width), dtype=np.int64)
+    mask = np.zeros((b, width), dtype=np.float32)
+    behav = np.zeros((b, width), dtype=np.float32)
+    tver = np.full((b, width), -1, dtype=np.int64)
+    dense: dict[int, int] = {}
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        tokens[i, :p] = t.prompt_ids
+        tokens[i, p : p + r] = t.response_ids
+        mask[i, p : p + r] = 1.0
+        behav[i, p : p + r] = t.behav_logprobs
+        tver[i, p : p + r] = t.behav_versions
+        dense.setdefault(t.group_id, len(dense))
+    return TrainBatch(
+        tokens=tokens,
+        lengths=lengths,
+        loss_mask=mask,
+        advantages=np.asarray(advantages, dtype=np.float32).reshape(b),
+        behav_logprobs=behav,
+        token_versions=tver,
+        versions=np.array([t.version for t in trajs], dtype=np.int64),
+        group_index=np.array([dense[t.group_id] for t in trajs], dtype=np.int64),
+        rewards=np.array([t.reward for t in trajs], dtype=np.float32),
+        prompt_ids=np.array([t.prompt_id for t in trajs], dtype=np.int64),
+    )
