@@ -1,0 +1,320 @@
+"""Data role: the data config, the `Prompt` that leaves this role, the source protocol, the bad-row
+report and the `PromptLoader` that draws prompts epoch by epoch with a resumable state.
+
+What it is: the contract between prompt sources (reasoning-gym tasks, JSONL/parquet files,
+HumanEval) and the rollout manager, which only ever calls `PromptLoader.next_batch(n)`.
+What it is not: file parsing, tokenizer loading or chat formatting; those live in `files.py`,
+`procedural.py`, `humaneval.py`, `tokenizers.py` and `formatting.py`. Grading lives with the
+rewards (`procedural.ProceduralVerifier` is the one verifier this role owns, because only the
+procedural source knows how to re-create its entries).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import string
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+TASKS = ("math", "procedural", "code")
+FORMATS = ("auto", "gsm8k", "math500", "aime24", "livecodebench", "custom")
+SOURCE_KINDS = ("reasoning_gym", "jsonl", "parquet", "humaneval")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A parsed `DataConfig.source` string: `kind` is one of SOURCE_KINDS, `target` the dataset
+    name (reasoning_gym) or file path (jsonl, parquet), empty for humaneval."""
+
+    kind: str
+    target: str
+
+    @classmethod
+    def parse(cls, spec: str) -> SourceSpec:
+        kind, sep, target = spec.partition(":")
+        kind, target = kind.strip(), target.strip()
+        if kind not in SOURCE_KINDS:
+            raise ValueError(
+                f"source spec {spec!r}: unknown kind {kind!r}; allowed: "
+                "reasoning_gym:<dataset>, jsonl:<path>, parquet:<path>, humaneval"
+            )
+        if kind == "humaneval":
+            if target:
+                raise ValueError(f"source spec {spec!r}: 'humaneval' takes no argument")
+            return cls(kind, "")
+        if not sep or not target:
+            raise ValueError(f"source spec {spec!r}: {kind} needs a target, e.g. {kind}:<name or path>")
+        return cls(kind, target)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they become token ids. Field comments are the documentation."""
+
+    source: str = "reasoning_gym:chain_sum"  # reasoning_gym:<dataset> | jsonl:<path> | parquet:<path> | humaneval
+    eval_source: str | None = None  # same syntax; None: procedural -> held-out seed of `source`, files -> no eval set
+    format: str = "auto"  # field mapping of file sources (auto detects gsm8k/math500/aime24/livecodebench per file)
+    prompt_field: str | None = None  # format=custom: the row key holding the question
+    answer_field: str | None = None  # format=custom: the row key holding the ground truth (None: no ground truth)
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning-gym config args, e.g. {min_terms: 3}
+    size: int = 10000  # procedural: prompts per epoch
+    eval_size: int = 500  # procedural held-out set size (0: no eval set)
+    seed: int = 0  # procedural generation seed and shuffling seed of the loader
+    system_prompt: str | None = None  # chat template only: a system message before the question
+    chat_template: bool = True  # format through the tokenizer's chat template; false: the raw prompt_template
+    prompt_template: str = "{question}"  # user message; fields: {question} and any scalar metadata key
+    chat_kwargs: dict[str, Any] = field(default_factory=dict)  # apply_chat_template extras: {enable_thinking: false}
+    max_prompt_tokens: int = 1024  # longer prompts are counted as bad rows and skipped
+
+    _choices: ClassVar[dict[str, tuple[str, ...]]] = {"format": FORMATS}
+
+    def check(self) -> list[tuple[str, str]]:
+        errs: list[tuple[str, str]] = []
+        for name in ("source", "eval_source"):
+            spec = getattr(self, name)
+            if spec is None:
+                continue
+            try:
+                parsed = SourceSpec.parse(spec)
+            except ValueError as e:
+                errs.append((name, str(e)))
+                continue
+            errs.extend((name, msg) for msg in _check_spec_target(parsed))
+        if self.format == "custom" and not self.prompt_field:
+            errs.append(("prompt_field", "format=custom needs prompt_field (the row key holding the question)"))
+        if self.format != "custom" and (self.prompt_field or self.answer_field):
+            errs.append(("format", "prompt_field/answer_field are used only with format=custom"))
+        if self.size < 1:
+            errs.append(("size", "must be >= 1"))
+        if self.eval_size < 0:
+            errs.append(("eval_size", "must be >= 0 (0: no eval set)"))
+        if self.max_prompt_tokens < 1:
+            errs.append(("max_prompt_tokens", "must be >= 1"))
+        if self.system_prompt is not None and not self.chat_template:
+            errs.append(("system_prompt", "needs chat_template=true (a raw template has no system role)"))
+        if self.chat_kwargs and not self.chat_template:
+            errs.append(("chat_kwargs", "needs chat_template=true"))
+        try:
+            template_fields(self.prompt_template)
+        except ValueError as e:
+            errs.append(("prompt_template", str(e)))
+        return errs
+
+    def missing_files(self) -> list[tuple[str, str]]:
+        """(field, message) for each file source that does not exist on this machine."""
+        out = []
+        for name in ("source", "eval_source"):
+            spec = getattr(self, name)
+            if spec is None:
+                continue
+            parsed = SourceSpec.parse(spec)
+            if parsed.kind in ("jsonl", "parquet") and not Path(parsed.target).expanduser().is_file():
+                out.append((name, f"file not found: {parsed.target}"))
+        return out
+
+
+def _check_spec_target(spec: SourceSpec) -> list[str]:
+    # file existence is not checked here: a recipe must print (--print-config) on any machine;
+    # `DataConfig.missing_files()` is the pre-flight check before a run starts
+    if spec.kind == "reasoning_gym":
+        from reasoning_gym.factory import DATASETS  # heavy import, only when a procedural source is named
+
+        if spec.target not in DATASETS:
+            return [f"unknown reasoning-gym dataset {spec.target!r}; e.g. chain_sum, basic_arithmetic, gsm_symbolic"]
+    return []
+
+
+def template_fields(template: str) -> list[str]:
+    """Names used by a `str.format` template; ValueError on malformed braces or positional fields."""
+    names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    for name in names:
+        if name == "" or name.isdigit():
+            raise ValueError(f"template {template!r}: positional field {{{name}}}; use named fields like {{question}}")
+    return names
+
+
+def json_safe(value: Any, *, lossy: bool = False) -> Any:
+    """The JSON image of `value` (tuples become lists). Other types raise TypeError naming them,
+    or with `lossy` become their `str()` (e.g. Fraction in reasoning-gym metadata)."""
+    return json.loads(json.dumps(value, default=str if lossy else None))
+
+
+@dataclass
+class Prompt:
+    """One prompt draw, ready for the rollout manager. `uid` is unique per draw: it encodes the
+    epoch and the source index (`PromptLoader.locate`), so "every prompt trained exactly once"
+    can be checked. `answer` is the JSON payload the reward grader of `task` needs."""
+
+    uid: int
+    question: str
+    input_ids: list[int]
+    task: str  # one of TASKS
+    answer: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PromptRecord:
+    """What a source yields for one index, before tokenization. `where` locates it for reports
+    (file:line, or dataset[index])."""
+
+    question: str
+    task: str
+    answer: dict[str, Any]
+    metadata: dict[str, Any]
+    where: str
+
+
+class PromptError(ValueError):
+    """A record that cannot become a prompt (too long, characters the tokenizer cannot encode).
+    The loader counts it as a bad row under `reason` instead of stopping a long run."""
+
+    reason = "invalid_prompt"
+
+
+@dataclass
+class DataReport:
+    """Counts of rows read and rows rejected by reason, with the first `max_examples` rejections
+    located (file:line or dataset[index]), so nothing is dropped silently."""
+
+    source: str
+    rows: int = 0  # rows read (good and bad)
+    bad: Counter = field(default_factory=Counter)  # reason -> count
+    examples: list[str] = field(default_factory=list)
+    max_examples: int = 20
+
+    @property
+    def num_bad(self) -> int:
+        return sum(self.bad.values())
+
+    def add_bad(self, reason: str, where: str, detail: str) -> None:
+        self.bad[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(f"{where}: {reason}: {detail}")
+
+    def summary(self) -> str:
+        head = f"data source {self.source}: {self.rows} rows read, {self.num_bad} rejected"
+        if not self.bad:
+            return head
+        reasons = ", ".join(f"{r}={c}" for r, c in sorted(self.bad.items()))
+        return "\n  ".join([f"{head} ({reasons}); first rejections:", *self.examples])
+
+    def log(self, logger: logging.Logger) -> None:
+        logger.log(logging.WARNING if self.bad else logging.INFO, "%s", self.summary())
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """A finite, indexable set of prompt records. `name` identifies the set (kind, target, seed)
+    so a loader state is never applied to another source; `report` holds its bad rows."""
+
+    name: str
+    report: DataReport
+
+    def __len__(self) -> int: ...
+
+    def record(self, index: int) -> PromptRecord: ...
+
+
+class PromptLoader:
+    """Draws prompts from a source in a seeded permutation per epoch, skipping (and reporting)
+    records `encode` rejects. The state is (epoch, position): the permutation of an epoch is a
+    pure function of (seed, epoch), so a loader restored from `state_dict()` yields exactly the
+    prompts not yet drawn, in the same order."""
+
+    def __init__(
+        self,
+        source: PromptSource,
+        encode: Callable[[PromptRecord], list[int]],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if len(source) == 0:
+            raise ValueError(f"data source {source.name} has no usable rows\n{source.report.summary()}")
+        self.source, self.encode, self.seed, self.shuffle = source, encode, seed, shuffle
+        self.logger = logger or logging.getLogger(__name__)
+        self.epoch, self.position = 0, 0
+        self._rejected: set[int] = set()  # indices counted as bad in this process (each row once, every epoch skips it)
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.source)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    @property
+    def report(self) -> DataReport:
+        """The source's bad-row report, including prompts this loader rejected so far."""
+        return self.source.report
+
+    def locate(self, uid: int) -> tuple[int, int]:
+        """(epoch, source index) of a prompt uid."""
+        return divmod(uid, len(self.source))
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        skipped_in_a_row = 0
+        while len(out) < n:
+            if self.position >= len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            index = int(self._order[self.position])
+            self.position += 1
+            prompt = self._make(index)
+            if prompt is not None:
+                out.append(prompt)
+                skipped_in_a_row = 0
+                continue
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= len(self.source):  # a whole epoch without one usable prompt
+                raise RuntimeError(f"no record of {self.source.name} is usable\n{self.source.report.summary()}")
+        return out
+
+    def _make(self, index: int) -> Prompt | None:
+        record = self.source.record(index)
+        try:
+            ids = self.encode(record)
+        except PromptError as e:
+            if index not in self._rejected:
+                self._rejected.add(index)
+                if not self.source.report.bad:  # the first rejection is logged at once, the rest in summaries
+                    self.logger.warning("rejecting prompt %s: %s", record.where, e)
+                self.source.report.add_bad(e.reason, record.where, str(e))
+            return None
+        return Prompt(
+            uid=self.epoch * len(self.source) + index,
+            question=record.question,
+            input_ids=ids,
+            task=record.task,
+            answer=record.answer,
+            metadata=record.metadata,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source.name,
+            "size": len(self.source),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in ("source", "size", "seed", "shuffle"):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"PromptLoader state was saved for {key}={state.get(key)!r}, this loader has "
+                    f"{key}={mine[key]!r}; resuming would not continue the same prompt order"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,103 @@
+"""Prompt formatting: a record's question -> user message (`prompt_template`) -> chat template of
+the tokenizer (with an optional system prompt) -> token ids, with the prompt-length limit.
+
+What it is: `PromptFormatter`, whose `encode(record)` is what `PromptLoader` calls per draw.
+What it is not: tokenizer loading (`tokenizers.py`) or a place for task-specific instructions;
+those belong in the record's question or in the configured template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_darl.data.api import DataConfig, PromptError, PromptRecord, template_fields
+
+
+class PromptTooLong(PromptError):
+    reason = "prompt_too_long"
+
+
+class UnknownCharacters(PromptError):
+    reason = "unknown_characters"
+
+
+class PromptFormatter:
+    """Turns records into prompt token ids with one tokenizer.
+
+    With `chat_template`, the user message (and the system prompt, if any) go through
+    `tokenizer.apply_chat_template(..., add_generation_prompt=True)`; the rendered text is then
+    encoded without adding special tokens, because the template already wrote them. Without it,
+    the filled `prompt_template` is encoded as is (with the tokenizer's own BOS, if it has one).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        prompt_template: str = "{question}",
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+        max_prompt_tokens: int = 1024,
+        chat_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.fields = template_fields(prompt_template)
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "chat_template=true but the tokenizer has no chat template; set data.chat_template=false "
+                "to use the raw prompt_template"
+            )
+        if system_prompt is not None and not chat_template:
+            raise ValueError("system_prompt needs chat_template=true (a raw template has no system role)")
+        self.tokenizer, self.template, self.system_prompt = tokenizer, prompt_template, system_prompt
+        self.use_chat, self.max_prompt_tokens = chat_template, max_prompt_tokens
+        self.chat_kwargs = dict(chat_kwargs or {})  # e.g. {"enable_thinking": False} for Qwen3
+
+    @classmethod
+    def from_config(cls, tokenizer: Any, cfg: DataConfig, **chat_kwargs: Any) -> PromptFormatter:
+        return cls(
+            tokenizer,
+            prompt_template=cfg.prompt_template,
+            system_prompt=cfg.system_prompt,
+            chat_template=cfg.chat_template,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            chat_kwargs={**cfg.chat_kwargs, **chat_kwargs},
+        )
+
+    def user_message(self, record: PromptRecord) -> str:
+        values = {k: v for k, v in record.metadata.items() if isinstance(v, (str, int, float))}
+        values["question"] = record.question
+        missing = [f for f in self.fields if f not in values]
+        if missing:
+            raise ValueError(
+                f"prompt_template {self.template!r} uses {missing} but record {record.where} offers "
+                f"{sorted(values)}"
+            )
+        return self.template.format(**values)
+
+    def render(self, record: PromptRecord) -> str:
+        """The full prompt text, special tokens included."""
+        text = self.user_message(record)
+        if not self.use_chat:
+            return text
+        messages = [{"role": "user", "content": text}]
+        if self.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.chat_kwargs
+        )
+
+    def encode(self, record: PromptRecord) -> list[int]:
+        text = self.render(record)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=not self.use_chat))
+        unk = self.tokenizer.unk_token_id
+        if unk is not None and unk in ids:
+            raise UnknownCharacters(f"characters {self._unknown_chars(text)} are not in the tokenizer's vocabulary")
+        if len(ids) > self.max_prompt_tokens:
+            raise PromptTooLong(f"{len(ids)} tokens > max_prompt_tokens={self.max_prompt_tokens}")
+        return ids
+
+    def _unknown_chars(self, text: str) -> list[str]:
+        unk = self.tokenizer.unk_token_id
+        for special in self.tokenizer.all_special_tokens:  # their characters are not text characters
+            text = text.replace(special, "")
+        return sorted(c for c in set(text) if unk in self.tokenizer.encode(c, add_special_tokens=False))

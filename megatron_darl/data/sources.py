@@ -1,0 +1,71 @@
+"""From a `DataConfig` to a source and a loader: parses the source spec, picks the held-out
+eval split, and wires the tokenizer's prompt formatting into a `PromptLoader`.
+
+What it is: `build_source(cfg, split)` and `build_loader(cfg, tokenizer, split)`, the two calls the
+trainer and the evaluator make.
+What it is not: the sources themselves (`procedural.py`, `files.py`, `humaneval.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from megatron_darl.data.api import DataConfig, PromptLoader, PromptSource, SourceSpec
+from megatron_darl.data.formatting import PromptFormatter
+from megatron_darl.data.procedural import EVAL_SEED_OFFSET
+
+SPLITS = ("train", "eval")
+
+
+def build_source(cfg: DataConfig, split: str = "train") -> PromptSource | None:
+    """The source of `split`. Eval without `eval_source`: a procedural source gets a held-out
+    stream of `eval_size` entries (seed + EVAL_SEED_OFFSET; for tiny task spaces some questions
+    can coincide with training ones), other sources have no eval set (None)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}; allowed: {SPLITS}")
+    spec_text = cfg.source if split == "train" else cfg.eval_source
+    seed, size = cfg.seed, cfg.size
+    if split == "eval":
+        if cfg.eval_size == 0:
+            return None
+        seed, size = cfg.seed + EVAL_SEED_OFFSET, cfg.eval_size
+        if spec_text is None:
+            if SourceSpec.parse(cfg.source).kind != "reasoning_gym":
+                return None
+            spec_text = cfg.source
+    spec = SourceSpec.parse(spec_text)
+    if spec.kind == "reasoning_gym":
+        from megatron_darl.data.procedural import ProceduralSource
+
+        return ProceduralSource(spec.target, size=size, seed=seed, dataset_kwargs=cfg.dataset_kwargs)
+    if spec.kind == "humaneval":
+        from megatron_darl.data.humaneval import HumanEvalSource
+
+        return HumanEvalSource()
+    from megatron_darl.data.files import FileSource
+
+    return FileSource(
+        spec.target, spec.kind, fmt=cfg.format, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field
+    )
+
+
+def build_loader(
+    cfg: DataConfig,
+    tokenizer: Any,
+    split: str = "train",
+    *,
+    logger: logging.Logger | None = None,
+    **chat_kwargs: Any,
+) -> PromptLoader | None:
+    """A loader over `build_source(cfg, split)` that formats through `tokenizer`; None when the
+    split has no source. Train draws are shuffled per epoch; eval keeps the source order.
+    `chat_kwargs` add to (and override) `cfg.chat_kwargs`."""
+    source = build_source(cfg, split)
+    if source is None:
+        return None
+    logger = logger or logging.getLogger(__name__)
+    source.report.log(logger)
+    formatter = PromptFormatter.from_config(tokenizer, cfg, **chat_kwargs)
+    formatter.user_message(source.record(0))  # a template field the source lacks fails now, not mid-run
+    return PromptLoader(source, formatter.encode, seed=cfg.seed, shuffle=split == "train", logger=logger)
