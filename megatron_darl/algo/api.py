@@ -1,0 +1,101 @@
+"""Public contract of `megatron_darl.algo`: what another RL pipeline may import and rely on.
+
+What it is: the re-exports and the table below. What it is not: an implementation; the maths
+of each function is in its docstring and in shared/ALGORITHM.md.
+
+Conventions. Per-token tensors are `[B, T]` with `mask` (1 = response token that counts);
+per-sequence tensors are `[B]`; advantages may be `[B]` or `[B, T]`. Log-probs: `logp` =
+current policy q (with grad), `prox_logp` = proximal p (recomputed, no grad), `behav_logp` =
+behavior b (from the rollout engine). Losses return `(loss, metrics)`, metrics keyed
+`algo/...` with detached 0-dim tensors (no host sync inside a loss). Ratios are formed in log
+space with the exponent clamped (`LOG_RATIO_BOUND`), so nothing overflows. Pure torch: no
+config objects, no Megatron, no torch.distributed.
+
+Micro-batches (gradient accumulation): token-mean losses take `loss_denominator` (masked
+tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_counts` from
+`pmis_batch_constants`. Then micro-batch losses and gradients sum to the full batch's.
+
+| function | returns | what |
+|---|---|---|
+| grpo_advantages(rewards, group_index, norm_by_std, eps) | [B] | GRPO / Dr.GRPO |
+| rloo_advantages(rewards, group_index) | [B] | leave-one-out baseline |
+| rollout_is_weights(prox, behav, mask, level, mode, threshold, threshold_lower, veto_threshold) | [B,T], metrics | verl rollout IS |
+| ppo_loss(logp, old, adv, mask, clip_low, clip_high, token_weights, ratio_level, loss_denominator) | loss, metrics | clipped PPO |
+| decoupled_ppo_loss(logp, prox, behav, adv, mask, ..., behav_weight_cap, behav_clip) | loss, metrics | AReaL objective |
+| sg_policy_loss(logp, behav, adv, mask, threshold, loss_denominator) | loss, metrics | stop-grad REINFORCE |
+| weighted_surrogate(...), clipped_objective(...), sg_objective(...) | [B,T] | per-token building blocks |
+| variance_scores(prox, behav, mask) | [B] | mean_t l^2 |
+| group_scores(scores, group_index, versions) | ids, scores, versions [G] | group mean / oldest |
+| selection_threshold(group_scores, group_versions, quantile) | float | tau |
+| select_groups(group_scores, group_versions, quantile, tau_abs, batch_groups, fill, warmup) | LongTensor | D-ARL gating |
+| selection_metrics(group_versions, selected, tau) | dict | filtered share per version |
+| pmis_coefficients(versions, weights, mask, mode, level) | beta dict, metrics | ess / tokens / balance |
+| pmis_statistics(versions, weights, mask, level, all_versions) | ks, [K,4] | summable across DP ranks |
+| pmis_beta_from_statistics(ks, stats, mode) | beta, counts, metrics | beta from (all-reduced) stats |
+| balance_weights(prox, behav, behav_by_version, versions, mask, ...) | [B,T], metrics | Veach balance |
+| interpolate_version_logp(prox, behav, versions, prox_version, targets) | dict | log-linear approx. |
+| pmis_batch_constants(prox, behav, mask, versions, ...) | beta, counts, metrics | once per batch |
+| combine_versions(objective, mask, versions, beta, counts) | loss, metrics | -sum beta_k L_k |
+| darl_policy_loss(logp, prox, behav, adv, mask, versions, ...) | loss, metrics | D-ARL policy loss |
+| version_token_counts(versions, mask) | dict | N_k |
+| effective_sample_size(weights, mask) | 0-dim | (sum w)^2 / sum w^2 |
+| diagnostics(prox, behav, mask, versions, ...) | dict | ESS, rho stats, KL, staleness |
+| kl_estimates, staleness_histogram, masked_quantile | dict / 0-dim | diagnostics parts |
+"""
+
+from .advantages import grpo_advantages, rloo_advantages
+from .diagnostics import diagnostics, kl_estimates, masked_quantile, staleness_histogram
+from .importance import rollout_is_weights
+from .losses import (
+    clipped_objective,
+    decoupled_ppo_loss,
+    ppo_loss,
+    sg_objective,
+    sg_policy_loss,
+    weighted_surrogate,
+)
+from .pmis import (
+    balance_weights,
+    combine_versions,
+    darl_policy_loss,
+    effective_sample_size,
+    interpolate_version_logp,
+    pmis_batch_constants,
+    pmis_beta_from_statistics,
+    pmis_coefficients,
+    pmis_statistics,
+)
+from .reductions import LOG_RATIO_BOUND, version_token_counts
+from .selection import group_scores, select_groups, selection_metrics, selection_threshold, variance_scores
+
+__all__ = [
+    "LOG_RATIO_BOUND",
+    "balance_weights",
+    "clipped_objective",
+    "combine_versions",
+    "darl_policy_loss",
+    "decoupled_ppo_loss",
+    "diagnostics",
+    "effective_sample_size",
+    "grpo_advantages",
+    "group_scores",
+    "interpolate_version_logp",
+    "kl_estimates",
+    "masked_quantile",
+    "pmis_batch_constants",
+    "pmis_beta_from_statistics",
+    "pmis_coefficients",
+    "pmis_statistics",
+    "ppo_loss",
+    "rloo_advantages",
+    "rollout_is_weights",
+    "select_groups",
+    "selection_metrics",
+    "selection_threshold",
+    "sg_objective",
+    "sg_policy_loss",
+    "staleness_histogram",
+    "variance_scores",
+    "version_token_counts",
+    "weighted_surrogate",
+]

@@ -1,0 +1,332 @@
+"""Policy-level multiple importance sampling (P-MIS) and the D-ARL policy loss.
+
+What it is: the per-version split of a batch by behavior version k, the per-version token
+mean `L_k`, the weights `beta_k` (`ess`, `tokens`, `balance`) and their combination
+`loss = -sum_k beta_k L_k`; the Veach balance-heuristic weights and their log-linear
+approximation; the once-per-batch constants that let micro-batches add up exactly.
+What it is not: the surrogates themselves (`losses.py`) or rollout weights (`importance.py`).
+
+Micro-batches: `L_k` divides by `N_k`, the masked tokens of version k in the whole batch.
+Compute `beta, counts, metrics = pmis_batch_constants(...)` once on the (mini)batch, then
+pass `beta=beta, version_token_counts=counts` to every micro-batch call of
+`darl_policy_loss`: the micro-batch losses then sum to the batch loss, gradients included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .importance import LEVELS, rollout_is_weights, weights_from_log
+from .losses import surrogate_metrics, sg_objective, weighted_surrogate
+from .reductions import (
+    check_sequence_tensor,
+    check_token_tensors,
+    lookup_version,
+    masked_row_sum,
+    masked_sum,
+    version_token_counts as count_version_tokens,
+)
+
+PMIS_MODES = ("ess", "tokens", "balance")
+SURROGATES = ("clip", "sg")
+
+
+def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`ESS = (sum w)^2 / sum w^2` over the mask; 0 when every weight is 0."""
+    s = masked_sum(weights, mask)
+    s2 = masked_sum(weights * weights, mask)
+    return torch.where(s2 > 0, s * s / s2.clamp(min=torch.finfo(s2.dtype).tiny), torch.zeros_like(s))
+
+
+def _ess_units(weights, mask, level):
+    """What ESS counts: tokens, or sequences (each row's mean weight) for `level="sequence"`."""
+    if level == "token":
+        return weights, mask
+    if level == "sequence":
+        n = mask.sum(-1)
+        row = masked_row_sum(weights, mask) / n.to(weights.dtype).clamp(min=1.0)
+        return row.unsqueeze(-1), (n > 0).unsqueeze(-1)
+    raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+
+
+def pmis_statistics(
+    versions: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, *,
+    level: str = "token", all_versions=None,
+) -> tuple[list[int], torch.Tensor]:
+    """Sufficient statistics of P-MIS per version: `(ks, stats)`, `stats` float64 `[K, 4]`.
+
+    Columns: `N_k` (masked tokens), `n_k` (ESS units: tokens, or sequences with tokens for
+    `level="sequence"`), `sum rho`, `sum rho^2` over version k, for the sorted versions `ks`
+    (`all_versions`, e.g. the replay window, when given: then every rank has the same rows).
+    They add up across data-parallel ranks (all_reduce SUM) before
+    `pmis_beta_from_statistics`, which makes beta and N_k exact for the global batch.
+    """
+    m = check_token_tensors(mask, weights=weights)
+    check_sequence_tensor("versions", versions, m.shape[0])
+    present = [int(k) for k in torch.unique(versions).tolist()]
+    ks = present if all_versions is None else sorted(int(k) for k in all_versions)
+    missing = sorted(set(present) - set(ks))
+    if missing:
+        raise ValueError(f"all_versions {ks} lacks versions {missing} present in the batch")
+    w = weights.detach().to(torch.float64)
+    units, unit_mask = _ess_units(w, m, level)
+    row_tokens = m.sum(-1).to(torch.float64)
+    stats = torch.zeros(len(ks), 4, dtype=torch.float64, device=w.device)
+    for i, k in enumerate(ks):
+        rows = versions == k
+        u, um = units[rows], unit_mask[rows]
+        stats[i, 0] = row_tokens[rows].sum()
+        stats[i, 1] = um.sum()
+        stats[i, 2] = masked_sum(u, um)
+        stats[i, 3] = masked_sum(u * u, um)
+    return ks, stats
+
+
+def pmis_beta_from_statistics(
+    ks: list[int], stats: torch.Tensor, *, mode: str = "ess",
+) -> tuple[dict[int, float], dict[int, float], dict[str, torch.Tensor]]:
+    """`(beta, version_token_counts, metrics)` from `pmis_statistics` (possibly all-reduced).
+
+    ess: `beta_k = ESS_k / sum_k' ESS_k'`, `ESS_k = (sum rho)^2 / sum rho^2`; if every ESS is
+    0 it falls back to `tokens`. tokens and balance: `beta_k = N_k / N`.
+    """
+    if mode not in PMIS_MODES:
+        raise ValueError(f"pmis mode must be one of {PMIS_MODES}, got {mode!r}")
+    rows = stats.detach().cpu().tolist()
+    n_tok = {k: r[0] for k, r in zip(ks, rows)}
+    ess = {k: (r[2] * r[2] / r[3] if r[3] > 0 else 0.0) for k, r in zip(ks, rows)}
+    total_tok, total_ess = sum(n_tok.values()), sum(ess.values())
+    if mode == "ess" and total_ess > 0:
+        beta = {k: ess[k] / total_ess for k in ks}
+    else:
+        beta = {k: (n_tok[k] / total_tok if total_tok > 0 else 0.0) for k in ks}
+    s, s2, n_all = (sum(r[c] for r in rows) for c in (2, 3, 1))
+    metrics = {"algo/ess_frac": torch.tensor(s * s / s2 / n_all if s2 > 0 and n_all > 0 else 0.0)}
+    for k, r in zip(ks, rows):
+        metrics[f"algo/ess_frac/v{k}"] = torch.tensor(ess[k] / r[1] if r[1] > 0 else 0.0)
+        metrics[f"algo/beta/v{k}"] = torch.tensor(beta[k])
+        metrics[f"algo/tokens_frac/v{k}"] = torch.tensor(n_tok[k] / total_tok if total_tok > 0 else 0.0)
+    return beta, n_tok, metrics
+
+
+def pmis_coefficients(
+    versions: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, *,
+    mode: str = "ess", level: str = "token",
+) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """Per-version weights `beta_k` (no grad, summing to 1) and metrics.
+
+    ess: `beta_k = ESS_k / sum_k' ESS_k'`, `ESS_k = (sum rho)^2 / sum rho^2` over version k's
+    tokens (over its sequences, each with its mean weight, for `level="sequence"`); if every
+    ESS is 0 it falls back to `tokens`. tokens: `beta_k = N_k / N`, the collapsed token mean.
+    balance: `N_k / N` too, since the balance heuristic puts the mixture in `rho` itself.
+    Metrics: `algo/beta/v{k}`, `algo/tokens_frac/v{k}`, `algo/ess_frac/v{k}` (`ESS_k / n_k`,
+    `n_k` tokens or sequences) and the global `algo/ess_frac`. Data parallel: sum
+    `pmis_statistics` over ranks, then `pmis_beta_from_statistics`.
+    """
+    ks, stats = pmis_statistics(versions, weights, mask, level=level)
+    beta, _, metrics = pmis_beta_from_statistics(ks, stats, mode=mode)
+    return beta, metrics
+
+
+def interpolate_version_logp(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, versions: torch.Tensor,
+    prox_version: int, target_versions,
+) -> dict[int, torch.Tensor]:
+    """APPROXIMATION of `log mu_k(y_ij)` for versions whose snapshots are not kept.
+
+    Log-linear in the version index between the sample's own behavior (`b`, version `v_i`)
+    and the proximal policy (`p`, version `prox_version`):
+    `log mu_k ~ b + (k - v_i) / (prox_version - v_i) * (p - b)` (extrapolated for k < v_i;
+    `b` for every k when `v_i == prox_version`). Exact only at `k = v_i` and `k = prox_version`.
+    """
+    m = check_token_tensors(torch.ones_like(prox_logp, dtype=torch.bool), behav_logp=behav_logp)
+    check_sequence_tensor("versions", versions, m.shape[0])
+    if bool((versions > prox_version).any()):
+        raise ValueError(f"versions must be <= prox_version={prox_version}")
+    p, b = prox_logp.detach(), behav_logp.detach()
+    gap = (prox_version - versions).to(p.dtype)
+    out = {}
+    for k in target_versions:
+        frac = torch.where(gap > 0, (k - versions).to(p.dtype) / gap.clamp(min=1.0), torch.zeros_like(gap))
+        out[int(k)] = b + frac.unsqueeze(-1) * (p - b)
+    return out
+
+
+def balance_weights(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor,
+    behav_logp_by_version: Mapping[int, torch.Tensor], versions: torch.Tensor, mask: torch.Tensor,
+    *, version_token_counts: Mapping[int, float] | None = None, mode: str = "truncate",
+    threshold: float = 2.0, threshold_lower: float | None = None,
+    veto_threshold: float | None = 1e-4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Veach balance-heuristic weights `rho_ij = pi_prox(y_ij) / sum_k alpha_k mu_k(y_ij)`.
+
+    `alpha_k = N_k / N` over the versions of `version_token_counts` (the whole batch's counts;
+    this call's when None). `behav_logp_by_version[k]` is `log mu_k` of every token, `[B, T]`:
+    exact when the K behavior snapshots are kept and score the batch, else from
+    `interpolate_version_logp` (an approximation). Then `mode`/`threshold`/veto as in
+    `rollout_is_weights` (the veto looks at each token's own `exp(p - b)`).
+    """
+    m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
+    check_sequence_tensor("versions", versions, m.shape[0])
+    counts = version_token_counts if version_token_counts is not None else count_version_tokens(versions, m)
+    total = sum(float(n) for n in counts.values())
+    zero = torch.zeros((), dtype=prox_logp.dtype, device=prox_logp.device)
+    terms = []
+    for k, n_k in sorted(counts.items()):
+        if float(n_k) <= 0:
+            continue
+        lp = lookup_version(behav_logp_by_version, k, "behav_logp_by_version")
+        check_token_tensors(mask, **{f"behav_logp_by_version[{k}]": lp})
+        terms.append(math.log(float(n_k) / total) + lp.detach())
+    for k in torch.unique(versions).tolist():
+        lookup_version(counts, int(k), "version_token_counts")
+    p = prox_logp.detach()
+    log_mix = torch.logsumexp(torch.stack(terms), 0) if terms else p
+    log_w = torch.where(m, p - log_mix, zero)
+    l_tok = torch.where(m, p - behav_logp.detach(), zero)
+    return weights_from_log(
+        log_w, l_tok, m, mode=mode, threshold=threshold,
+        threshold_lower=threshold_lower, veto_threshold=veto_threshold,
+    )
+
+
+def _behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level, is_mode, is_threshold,
+                      is_threshold_lower, is_veto_threshold, pmis, behav_logp_by_version,
+                      version_token_counts):
+    """`rho` of the clipped surrogate: rollout IS weights, or balance-heuristic weights."""
+    opts = dict(mode=is_mode, threshold=is_threshold, threshold_lower=is_threshold_lower,
+                veto_threshold=is_veto_threshold)
+    if pmis != "balance":
+        return rollout_is_weights(prox_logp, behav_logp, mask, level=is_level, **opts)
+    if is_level != "token":
+        raise ValueError(f"pmis='balance' needs is_level='token', got {is_level!r}")
+    if behav_logp_by_version is None:
+        raise ValueError(
+            "pmis='balance' needs behav_logp_by_version (log mu_k of every token for every "
+            "version k); without kept snapshots use interpolate_version_logp (approximate)"
+        )
+    return balance_weights(prox_logp, behav_logp, behav_logp_by_version, versions, mask,
+                           version_token_counts=version_token_counts, **opts)
+
+
+def ess_level(is_level: str) -> str:
+    """ESS counts sequences when the weights are per sequence (sequence/geometric IS level)."""
+    if is_level not in LEVELS:
+        raise ValueError(f"is_level must be one of {LEVELS}, got {is_level!r}")
+    return "token" if is_level == "token" else "sequence"
+
+
+def pmis_batch_constants(
+    prox_logp, behav_logp, mask, versions, *, is_level: str = "token",
+    is_mode: str = "truncate", is_threshold: float = 2.0, is_threshold_lower: float | None = None,
+    is_veto_threshold: float | None = 1e-4, pmis: str = "ess",
+    behav_logp_by_version: Mapping[int, torch.Tensor] | None = None,
+):
+    """`(beta, version_token_counts, metrics)` of a whole (mini)batch, for micro-batch calls.
+
+    Same weights as `darl_policy_loss(surrogate="clip")` with the same options; pass the first
+    two to each micro-batch call. Metrics: `algo/is/*`, `algo/beta/v{k}`, `algo/ess_frac*`.
+    """
+    m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
+    check_sequence_tensor("versions", versions, m.shape[0])
+    counts = count_version_tokens(versions, m)
+    rho, metrics = _behavior_weights(
+        prox_logp, behav_logp, m, versions, is_level=is_level, is_mode=is_mode,
+        is_threshold=is_threshold, is_threshold_lower=is_threshold_lower,
+        is_veto_threshold=is_veto_threshold, pmis=pmis,
+        behav_logp_by_version=behav_logp_by_version, version_token_counts=counts,
+    )
+    beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(is_level))
+    return beta, counts, {**metrics, **beta_metrics}
+
+
+def combine_versions(objective, mask, versions, beta: Mapping[int, float],
+                     version_token_counts: Mapping[int, float] | None = None):
+    """`loss = -sum_k beta_k L_k`, `L_k = (1/N_k) sum_{i in S_k} sum_j objective_ij`.
+
+    `N_k` from `version_token_counts` (whole batch) or this call's masked tokens of version k
+    (a version without tokens has `L_k = 0`). Returns `(loss, {"algo/loss/v{k}": L_k})`.
+    """
+    row_sum = objective.sum(-1)
+    row_tokens = mask.sum(-1).to(objective.dtype)
+    loss = objective.sum() * 0.0  # keeps the graph when the batch is empty
+    metrics = {}
+    for k in [int(k) for k in torch.unique(versions).tolist()]:
+        rows = versions == k
+        if version_token_counts is None:
+            n_k = row_tokens[rows].sum().clamp(min=1.0)
+        else:
+            n_k = max(float(lookup_version(version_token_counts, k, "version_token_counts")), 1.0)
+        l_k = row_sum[rows].sum() / n_k
+        loss = loss - float(lookup_version(beta, k, "beta")) * l_k
+        metrics[f"algo/loss/v{k}"] = l_k.detach()
+    return loss, metrics
+
+
+def _check_sg_options(is_level, is_mode, pmis, behav_clip):
+    if is_level != "token" or is_mode != "truncate" or pmis == "balance" or behav_clip is not None:
+        raise ValueError(
+            "surrogate='sg' uses token-level truncated weights min(exp(q-b), is_threshold): it "
+            "needs is_level='token', is_mode='truncate', pmis in ('ess', 'tokens') and behav_clip=None"
+        )
+
+
+def darl_policy_loss(
+    logp, prox_logp, behav_logp, advantages, mask, versions, *,
+    clip_low: float = 0.2, clip_high: float = 0.2, is_level: str = "token",
+    is_mode: str = "truncate", is_threshold: float = 2.0, is_threshold_lower: float | None = None,
+    is_veto_threshold: float | None = 1e-4, pmis: str = "ess", ratio_level: str = "token",
+    surrogate: str = "clip", behav_clip: str | None = None, behav_mask_threshold: float = 5.0,
+    beta: Mapping[int, float] | None = None,
+    version_token_counts: Mapping[int, float] | None = None,
+    behav_logp_by_version: Mapping[int, torch.Tensor] | None = None,
+):
+    """D-ARL loss `-sum_k beta_k L_k`, `L_k = (1/N_k) sum_{i in S_k} sum_j m_ij rho_ij
+    min(r_ij A_i, clip(r_ij, 1-clip_low, 1+clip_high) A_i)`.
+
+    `versions` `[B]`: behavior version of each sequence. `rho` = `rollout_is_weights(prox,
+    behav, is_level, is_mode, is_threshold, ...)`, or the balance-heuristic weights for
+    `pmis="balance"` (needs `behav_logp_by_version`). `ratio_level="sequence"`: GSPO-style
+    ratios. `behav_clip` (None / "ratio" / "mask"): the behavior-side trust region of
+    `weighted_surrogate`. `surrogate="sg"`: `sg(min(exp(q-b), C)) q A` instead (no proximal
+    policy; `prox_logp` may be None). Micro-batches: pass `beta` and `version_token_counts`
+    from `pmis_batch_constants`; then the weight/beta metrics come from that call and are
+    not repeated here, and the token-mean metrics here use `N = sum_k N_k` so they add up.
+    """
+    if surrogate not in SURROGATES:
+        raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")
+    m = check_token_tensors(mask, logp=logp, prox_logp=prox_logp, behav_logp=behav_logp)
+    check_sequence_tensor("versions", versions, m.shape[0])
+    metrics: dict[str, torch.Tensor] = {}
+    if surrogate == "sg":
+        _check_sg_options(is_level, is_mode, pmis, behav_clip)
+        obj, rho, _ = sg_objective(logp, behav_logp, advantages, m, threshold=is_threshold)
+    else:
+        if prox_logp is None:
+            raise ValueError("surrogate='clip' needs prox_logp")
+        rho, is_metrics = _behavior_weights(
+            prox_logp, behav_logp, m, versions, is_level=is_level, is_mode=is_mode,
+            is_threshold=is_threshold, is_threshold_lower=is_threshold_lower,
+            is_veto_threshold=is_veto_threshold, pmis=pmis,
+            behav_logp_by_version=behav_logp_by_version, version_token_counts=version_token_counts,
+        )
+        obj, flags = weighted_surrogate(
+            logp, prox_logp, behav_logp, advantages, m, rho, clip_low=clip_low,
+            clip_high=clip_high, ratio_level=ratio_level, behav_clip=behav_clip,
+            behav_mask_threshold=behav_mask_threshold,
+        )
+        if beta is None:
+            metrics.update(is_metrics)
+        total = m.sum() if version_token_counts is None else sum(version_token_counts.values())
+        den = torch.as_tensor(total, dtype=logp.dtype, device=logp.device).clamp(min=1.0)
+        metrics.update(surrogate_metrics(flags, logp, prox_logp, m, den))
+    if beta is None:
+        beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(is_level))
+        metrics.update(beta_metrics)
+    loss, loss_metrics = combine_versions(obj, m, versions, beta, version_token_counts)
+    metrics.update(loss_metrics)
+    return loss, metrics
