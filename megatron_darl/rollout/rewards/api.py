@@ -6,14 +6,18 @@ limits), `RewardInput` (one response to grade, JSON-able so it crosses into work
 What it is not: the graders (math_grader.py, procedural.py, code_grader.py) or the process pool
 that runs them (pool.py).
 
-The `answer` payload of a RewardInput, by kind:
-  math        {"answer": "\\frac{1}{2}"}   gold answer, LaTeX or plain ("0.5", "$1/2$")
-  procedural  {"dataset": "basic_arithmetic", "entry": {...}}   a reasoning-gym entry
-              (question, answer, metadata) as JSON; its dataset's own verifier scores it
-  code        {"format": "humaneval", "prompt": ..., "test": ..., "entry_point": ...}
+The `answer` payload of a RewardInput, by kind (the data role's `Prompt.answer` is accepted
+as it is):
+  math        {"answer": "\\frac{1}{2}"} or {"ground_truth": "72"}: LaTeX or plain
+  procedural  {"dataset", "config", "index", "entry"} (data.procedural.ProceduralSource), or
+              {"dataset", "entry"}: a reasoning-gym entry scored by its dataset's own verifier
+  code        {"format": "humaneval", "prompt", "test", "entry_point"} ("format" optional)
               {"format": "stdio", "cases": [{"input": "...", "output": "..."}, ...]}
-              {"format": "functional", "fn_name": "...", "cases": [{"input": "...",
-               "output": "..."}]}  LiveCodeBench: input lines are JSON arguments, output JSON
+              {"format": "functional", "fn_name": "...", "cases": [...]}: LiveCodeBench, input
+               lines are JSON arguments, output JSON
+              {"public_test_cases", "private_test_cases", "func_name", "starter_code"}: a
+               LiveCodeBench row as the data role emits it; each case's "testtype" picks
+               stdio ("stdin") or functional
   custom      anything the user's RewardConfig.fn reads
 """
 

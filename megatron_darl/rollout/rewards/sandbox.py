@@ -1,0 +1,212 @@
+"""Run one untrusted program in a confined child process and report how it ended.
+
+What it is: `run_sandboxed(program, stdin, limits)` writes the program to a private folder and
+starts `sandbox_launcher.py` as root in a new session. The launcher isolates the child (network,
+mount and PID namespaces where the kernel allows; audit hooks refusing sockets and outside
+writes where it does not), sets CPU-time, address-space, file-size and process-count limits,
+drops to a dedicated uid and runs the program in a fresh scratch folder with a scrubbed
+environment. This side enforces the wall-time limit by killing the whole session, then kills
+everything the sandbox uid still runs.
+What it is not: a grader (code_grader.py decides pass/fail from the result) or a defence
+against kernel exploits. It needs root: as root, RLIMIT_NPROC does not bind, so the program must
+run as another user before it can fork.
+
+Why a uid per caller thread (`uid_base + native thread id`) rather than `nobody`: RLIMIT_NPROC
+counts every process of the real uid machine-wide, so sandboxes sharing one uid would share one
+process budget, and the final `kill(-1)` as that uid would hit unrelated programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
+MAX_CAPTURE = 1 << 20  # bytes of stdout/stderr read back; the file-size limit caps the rest
+SANDBOX_STATUSES = ("ok", "failed", "timeout", "error")
+TERM_GRACE_S = 2.0  # how long a timed-out launcher gets to kill and reap the program
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run (RewardConfig.code_* carry the run's values)."""
+
+    cpu_s: int = 10  # RLIMIT_CPU of the program, seconds
+    wall_s: float = 15.0  # wall-clock limit, seconds: the whole session is killed past it
+    memory_mb: int = 1024  # RLIMIT_AS, MiB of address space per process
+    max_procs: int = 32  # RLIMIT_NPROC: processes of the sandbox uid, the program included
+    max_file_mb: int = 16  # RLIMIT_FSIZE, MiB per written file (stdout and stderr included)
+    uid_base: int = 2_000_000_000  # sandbox uid = uid_base + caller's native thread id
+    # interpreter used where no mount namespace can expose ours to the sandbox uid (ours may
+    # sit under a folder closed to others, e.g. pyenv in /root)
+    fallback_python: str = "/usr/bin/python3"
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_s", "wall_s", "memory_mb", "max_procs", "max_file_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxLimits.{name}={getattr(self, name)!r} must be > 0")
+        if not 1000 <= self.uid_base < 2**32 - 2**22 - 1:
+            raise ValueError(
+                f"SandboxLimits.uid_base={self.uid_base} must leave room for thread ids "
+                f"(1000 <= uid_base < {2**32 - 2**22 - 1})"
+            )
+
+
+@dataclass
+class SandboxResult:
+    """How a sandboxed program ended.
+
+    status: "ok" (exit code 0), "failed" (another exit code or a signal, e.g. a resource
+    limit), "timeout" (killed at the wall-time limit) or "error" (the sandbox itself failed).
+    """
+
+    status: str
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    isolation: tuple[str, ...]  # namespaces obtained: subset of ("net", "mount", "pid")
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "ok"
+
+
+def sandbox_uid(limits: SandboxLimits) -> int:
+    """The uid a sandbox started from the calling thread runs as."""
+    return limits.uid_base + threading.get_native_id()
+
+
+def kill_uid(uid: int) -> None:
+    """Kill every process of `uid`: a forked helper becomes `uid` and signals -1, which reaches
+    exactly the processes that uid may signal, wherever they moved (new sessions included)."""
+    if uid < 1000:
+        # kill(-1) as root or a system user would hit the whole machine
+        raise ValueError(f"kill_uid: refusing uid {uid} (< 1000)")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setuid(uid)
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass  # ESRCH: nothing left to kill
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def run_sandboxed(
+    program: str, stdin: str = "", limits: SandboxLimits | None = None, *, isolate: bool = True
+) -> SandboxResult:
+    """Run Python source `program` confined, feeding it `stdin`; never raises for what the
+    program does. `isolate=False` skips the namespaces (the audit-hook fallback), for tests."""
+    limits = limits or SandboxLimits()
+    if os.geteuid() != 0:
+        raise PermissionError(
+            "run_sandboxed: needs root to drop the program to an unprivileged uid "
+            f"(running as uid {os.geteuid()})"
+        )
+    uid = sandbox_uid(limits)
+    host = tempfile.mkdtemp(prefix="darl-sandbox-")  # 0700, root's: specs and captured output
+    scratch = tempfile.mkdtemp(prefix="darl-scratch-")  # used only where no private /tmp
+    names = ("spec", "program", "stdin", "stdout", "stderr", "report")
+    paths = {k: os.path.join(host, k) for k in names}
+    try:
+        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate)
+        start = time.monotonic()
+        returncode, timed_out = _launch(paths, limits.wall_s)
+        wall = time.monotonic() - start
+        return _collect(paths, returncode, timed_out, wall)
+    finally:
+        kill_uid(uid)  # also on an exception here: nothing of this run may survive it
+        shutil.rmtree(host, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate) -> None:
+    spec = {
+        "uid": uid,
+        "parent_pid": os.getpid(),
+        "python": sys.executable,
+        "fallback_python": limits.fallback_python,
+        "program": paths["program"],
+        "report": paths["report"],
+        "fallback_scratch": scratch,
+        "isolate": bool(isolate),
+        # installs the interpreter needs, made reachable inside a private mount namespace
+        "expose": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+        "cpu_s": int(limits.cpu_s),
+        "memory_mb": int(limits.memory_mb),
+        "max_procs": int(limits.max_procs),
+        "max_file_mb": int(limits.max_file_mb),
+    }
+    for key, text in (("spec", json.dumps(spec)), ("program", program), ("stdin", stdin)):
+        with open(paths[key], "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def _launch(paths: dict[str, str], wall_s: float) -> tuple[int, bool]:
+    with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, open(
+        paths["stderr"], "wb"
+    ) as ferr:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", LAUNCHER, paths["spec"]],
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            env={"PATH": "/usr/bin:/bin"},
+            start_new_session=True,  # one process group to kill on timeout
+            close_fds=True,
+        )
+        try:
+            return proc.wait(timeout=wall_s), False
+        except subprocess.TimeoutExpired:
+            pass
+        # the launcher kills the program's uid on SIGTERM and reaps it all; a launcher that
+        # does not exit promptly is killed with its whole process group
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        return proc.returncode, True
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_CAPTURE).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _collect(paths: dict[str, str], returncode: int, timed_out: bool, wall: float) -> SandboxResult:
+    report_text = _read(paths["report"])
+    report = json.loads(report_text) if report_text else None
+    stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
+    if timed_out:
+        status = "timeout"
+    elif report is None:
+        status = "error"  # the launcher died before the program ran
+        stderr = f"sandbox launcher failed (exit {returncode}): {stderr}"
+    else:
+        status = "ok" if returncode == 0 else "failed"
+    if returncode > 128 and not timed_out:
+        try:
+            stderr += f"\n[sandbox] program ended by {signal.Signals(returncode - 128).name}"
+        except ValueError:
+            pass
+    isolation = tuple(report["isolation"]) if report else ()
+    return SandboxResult(status, returncode, stdout, stderr, wall, isolation)
