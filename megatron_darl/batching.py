@@ -1,0 +1,80 @@
+"""From replay candidates to the batch a step trains on: advantages, D-ARL selection, subsets.
+
+What it is: the glue between the replay store (groups of trajectories) and the learner
+(a padded `TrainBatch`). `candidate_batch` pads every candidate group into one batch with its
+group-relative advantages (GRPO / Dr.GRPO / RLOO: a group's advantages do not depend on which
+other groups are chosen); `choose_groups` applies the variance-guided selection of ALGORITHM.md
+to proximal log-probs the learner recomputed (or FIFO for the baselines); `take_groups` cuts the
+chosen groups out of the batch.
+What it is not: the maths (`algo/`), the pool and its ageing (`replay/store.py`), or the learner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_darl import algo
+from megatron_darl.learner.api import AlgorithmConfig
+from megatron_darl.replay.api import Candidates, ReplayConfig
+from megatron_darl.types import TrainBatch, make_train_batch
+
+
+def group_advantages(rewards: np.ndarray, group_index: np.ndarray, cfg: AlgorithmConfig) -> np.ndarray:
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    g = torch.as_tensor(group_index, dtype=torch.long)
+    if cfg.advantage == "rloo":
+        adv = algo.rloo_advantages(r, g)
+    else:
+        adv = algo.grpo_advantages(r, g, norm_by_std=cfg.advantage == "grpo", eps=cfg.adv_eps)
+    return adv.numpy().astype(np.float32)
+
+
+def candidate_batch(cands: Candidates, cfg: AlgorithmConfig) -> TrainBatch:
+    """All candidate groups, in candidate order; `group_index[i]` is the candidate position."""
+    trajs = [t for g in cands.groups for t in g.trajectories]
+    batch = make_train_batch(trajs, np.zeros(len(trajs), dtype=np.float32))
+    batch.group_index = np.repeat(np.arange(len(cands.groups)), [len(g.trajectories) for g in cands.groups])
+    batch.advantages = group_advantages(batch.rewards, batch.group_index, cfg)
+    return batch
+
+
+def choose_groups(batch: TrainBatch, cands: Candidates, batch_groups: int, replay: ReplayConfig,
+                  step: int) -> tuple[np.ndarray, dict[str, float]]:
+    """Candidate positions to train on this step, and selection metrics.
+
+    With `replay.sg` (after warmup, which the store enforces by offering only the freshest
+    version) groups are scored by the second moment of the log weight `mean_t (p - b)^2`
+    against proximal log-probs and gated by `algo.select_groups`; otherwise the oldest
+    candidates go first (FIFO), as the baselines consume their data.
+    """
+    versions = torch.as_tensor(cands.versions)
+    if not replay.sg or batch.prox_logprobs is None:
+        chosen = torch.arange(min(batch_groups, len(cands)))
+        return chosen.numpy(), algo.selection_metrics(versions, chosen)
+    mask = torch.as_tensor(batch.loss_mask)
+    seq_scores = algo.variance_scores(torch.as_tensor(batch.prox_logprobs), torch.as_tensor(batch.behav_logprobs), mask)
+    _, g_scores, _ = algo.group_scores(seq_scores, torch.as_tensor(batch.group_index), torch.as_tensor(batch.versions))
+    warm = step < replay.warmup
+    chosen = algo.select_groups(g_scores, versions, quantile=replay.sg_quantile, tau_abs=replay.sg_tau_abs,
+                                batch_groups=batch_groups, fill=replay.sg_fill, warmup=warm)
+    tau = None if warm else algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)
+    metrics = algo.selection_metrics(versions, chosen, tau)
+    metrics["algo/select/score_mean"] = float(g_scores.mean()) if len(g_scores) else 0.0
+    return chosen.numpy(), metrics
+
+
+def take_groups(batch: TrainBatch, positions: np.ndarray) -> TrainBatch:
+    """The rows of the chosen candidate groups, groups renumbered 0..n-1 in chosen order."""
+    rows = np.concatenate([np.flatnonzero(batch.group_index == p) for p in positions]) if len(positions) else \
+        np.zeros(0, dtype=np.int64)
+    width = int(batch.lengths[rows].max()) if len(rows) else 1
+    renumber = {int(p): i for i, p in enumerate(positions)}
+    pick = lambda a: None if a is None else a[rows][:, :width]  # noqa: E731 - 2-D arrays trimmed to the new width
+    return TrainBatch(
+        tokens=pick(batch.tokens), lengths=batch.lengths[rows], loss_mask=pick(batch.loss_mask),
+        advantages=batch.advantages[rows], behav_logprobs=pick(batch.behav_logprobs),
+        token_versions=pick(batch.token_versions), versions=batch.versions[rows],
+        group_index=np.array([renumber[int(g)] for g in batch.group_index[rows]], dtype=np.int64),
+        rewards=batch.rewards[rows], prompt_ids=batch.prompt_ids[rows], prox_logprobs=pick(batch.prox_logprobs),
+    )

@@ -1,0 +1,59 @@
+"""Weight publication: after each step the learner makes version v available to the engines.
+
+What it is: `Publisher`. Every learner rank calls `publish(v)` (the export gathers TP/PP shards
+collectively); the main rank then has a Hugging Face folder `<root>/v{v}` (safetensors +
+config.json) and announces it in the weight notice that the rollout manager polls; the manager
+pauses the engines, has them load it through `/update_weights_from_disk`, and resumes. `root`
+is in /dev/shm for embedded engines on this node (the shared-memory path: no disk write) and on
+a shared filesystem for SGLang servers. Old versions are deleted once every engine serves a
+newer one (the manager reports that in its status), keeping at most `keep` folders.
+What it is not: the export itself (`learner.export_hf`) or the engines' loading code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+from megatron_darl.rollout.weight_notice import WeightNotice, publish_notice, read_notice, read_status
+from megatron_darl.types import WeightVersion
+
+
+class Publisher:
+    def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, kind: str, keep: int = 3):
+        self.learner, self.root, self.kind, self.keep = learner, root, kind, keep
+        self.notice_path, self.status_path = notice_path, status_path
+        self.last_publish_s = 0.0
+        if learner.is_main:
+            os.makedirs(root, exist_ok=True)
+
+    def folder(self, version: int) -> str:
+        return os.path.join(self.root, f"v{version}")
+
+    def publish(self, version: int) -> None:
+        t0 = time.perf_counter()
+        out = self.folder(version)
+        self.learner.export_hf(out)  # collective: every rank takes part, the main rank writes
+        if self.learner.is_main:
+            size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+            self.notify(WeightVersion(version=version, kind=self.kind, location=out, num_bytes=size))
+            self._collect_garbage(version)
+        self.last_publish_s = time.perf_counter() - t0
+
+    def notify(self, weights: WeightVersion | None = None, **changes: Any) -> None:
+        """Rewrite the notice with new weights and/or other fields (stop, state_request)."""
+        old = read_notice(self.notice_path) or WeightNotice()
+        fields = {"weights": weights or old.weights, "stop": old.stop, "state_request": old.state_request}
+        fields.update(changes)
+        publish_notice(self.notice_path, WeightNotice(**fields))
+
+    def _collect_garbage(self, newest: int) -> None:
+        status = read_status(self.status_path)
+        served = status.version if status is not None else 0
+        versions = sorted(int(d[1:]) for d in os.listdir(self.root) if d.startswith("v") and d[1:].isdigit())
+        for v in list(versions):
+            if v < served and v < newest and len(versions) > self.keep:  # never the one engines load now
+                shutil.rmtree(self.folder(v), ignore_errors=True)
+                versions.remove(v)

@@ -1,0 +1,72 @@
+"""Candidate batches, advantages per group, D-ARL gating and group subsets."""
+
+import numpy as np
+import pytest
+
+from megatron_darl.batching import candidate_batch, choose_groups, group_advantages, take_groups
+from megatron_darl.learner.api import AlgorithmConfig
+from megatron_darl.replay.api import Candidates, ReplayConfig, ReplayGroup
+from megatron_darl.types import Trajectory
+
+
+def _group(gid, version, rng, g=4):
+    trajs = []
+    for i in range(g):
+        n = int(rng.integers(1, 6))
+        trajs.append(Trajectory(rng.integers(0, 50, 3), rng.integers(0, 50, n), rng.normal(size=n) - 2,
+                                np.full(n, version), float(rng.integers(0, 2)), gid * 10 + i, gid))
+    return ReplayGroup(gid, version, trajs)
+
+
+def _cands(versions, seed=0):
+    rng = np.random.default_rng(seed)
+    return Candidates(step=max(versions) + 1, groups=[_group(100 + i, v, rng) for i, v in enumerate(versions)])
+
+
+def test_candidate_batch_advantages_are_per_group():
+    cands = _cands([0, 0, 1])
+    b = candidate_batch(cands, AlgorithmConfig())
+    assert b.batch_size == 12 and b.group_index.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    for g in range(3):
+        r = b.rewards[b.group_index == g]
+        expect = (r - r.mean()) / (r.std() + 1e-6)
+        np.testing.assert_allclose(b.advantages[b.group_index == g], expect, rtol=1e-5, atol=1e-6)
+    dr = group_advantages(b.rewards, b.group_index, AlgorithmConfig(advantage="drgrpo"))
+    np.testing.assert_allclose(dr[:4], b.rewards[:4] - b.rewards[:4].mean(), atol=1e-6)
+
+
+def test_take_groups_cuts_whole_groups_in_chosen_order():
+    cands = _cands([0, 1, 1, 2])
+    b = candidate_batch(cands, AlgorithmConfig())
+    b.prox_logprobs = b.behav_logprobs + 0.1 * b.loss_mask
+    sub = take_groups(b, np.array([2, 0]))
+    assert sub.batch_size == 8 and sub.group_index.tolist() == [0] * 4 + [1] * 4
+    assert set(sub.prompt_ids[:4]) == {t.prompt_id for t in cands.groups[2].trajectories}
+    rows = np.flatnonzero(b.group_index == 2)
+    np.testing.assert_array_equal(sub.tokens[:4], b.tokens[rows][:, : sub.tokens.shape[1]])
+    assert sub.tokens.shape[1] == sub.lengths.max()  # trimmed to the longest kept sequence
+    np.testing.assert_allclose(sub.prox_logprobs - sub.behav_logprobs, 0.1 * sub.loss_mask, atol=1e-6)
+
+
+def test_choose_groups_drops_the_drifted_stale_group():
+    cands = _cands([0, 0, 1, 1, 1])
+    b = candidate_batch(cands, AlgorithmConfig())
+    drift = np.zeros(5)
+    drift[0] = 3.0  # stale group 0 no longer matches the current policy
+    b.prox_logprobs = b.behav_logprobs + drift[b.group_index][:, None] * b.loss_mask + \
+        0.01 * np.arange(5)[b.group_index][:, None] * b.loss_mask
+    rc = ReplayConfig(sg=True, sg_quantile=1.0, warmup=0)
+    chosen, m = choose_groups(b, cands, 3, rc, step=5)
+    assert 0 not in chosen.tolist() and len(chosen) == 3
+    assert m["algo/select/filtered_frac/v0"] > 0
+    # selection off: FIFO, oldest first
+    chosen_fifo, _ = choose_groups(b, cands, 3, ReplayConfig(sg=False), step=5)
+    assert chosen_fifo.tolist() == [0, 1, 2]
+
+
+def test_choose_groups_warmup_takes_only_the_freshest_version():
+    cands = _cands([0, 1, 2, 2])
+    b = candidate_batch(cands, AlgorithmConfig())
+    b.prox_logprobs = b.behav_logprobs.copy()
+    chosen, _ = choose_groups(b, cands, 4, ReplayConfig(sg=True, warmup=5), step=1)
+    assert sorted(chosen.tolist()) == [2, 3]
