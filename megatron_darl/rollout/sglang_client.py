@@ -1,0 +1,178 @@
+"""HTTP client for SGLang servers (and the embedded `darl-engine`, which speaks the same
+protocol): the `RolloutEngine` the rollout manager drives, one per engine URL.
+
+What it is: the aiohttp transport. Bodies and answers are built and parsed by
+`sglang_requests.py`; this module adds timeouts, retries with exponential backoff on
+connection failures and 502/503/504, the optional Bearer API key, and two clear errors:
+`EngineUnreachableError` (no answer after the retries, or a timeout) and `EngineHTTPError`
+(a 4xx/5xx answer), both naming URL, route and, for HTTP errors, status and body.
+What it is not: a load balancer or failure detector (the manager marks engines down), nor
+the learner side of an NCCL weight broadcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from megatron_darl.rollout import sglang_requests as rq
+from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, RolloutConfig
+from megatron_darl.types import WeightVersion
+
+RETRY_STATUSES = (502, 503, 504)  # proxies and starting servers answer these; worth another try
+
+
+class EngineError(RuntimeError):
+    """Base of the transport errors; `url` and `route` say which call failed."""
+
+    def __init__(self, url: str, route: str, message: str):
+        super().__init__(message)
+        self.url, self.route = url, route
+
+
+class EngineUnreachableError(EngineError):
+    """No HTTP answer: connection refused or reset, or no answer within the timeout."""
+
+    def __init__(self, url: str, route: str, attempts: int, cause: BaseException | None):
+        super().__init__(url, route, f"engine {url} unreachable on {route} after {attempts} attempt(s): {cause!r}")
+        self.attempts, self.cause = attempts, cause
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with an HTTP error status."""
+
+    def __init__(self, url: str, route: str, status: int, body: str):
+        super().__init__(url, route, f"engine {url} answered {route} with HTTP {status}: {body[:500]}")
+        self.status, self.body = status, body
+
+
+class SGLangClient:
+    """`RolloutEngine` over HTTP. Create it anywhere; its aiohttp session opens lazily in the
+    running event loop (and is reopened if a later call runs in another loop)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0, max_retries: int = 3, backoff_s: float = 0.5,
+                 initial_version: int = 0):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s  # whole call, /generate included: a hung engine surfaces after it
+        self.connect_timeout_s = connect_timeout_s
+        self.max_retries = max_retries  # extra attempts after the first
+        self.backoff_s = backoff_s  # first wait; doubles every retry
+        self.initial_version = initial_version  # what SGLang's non-integer "default" version means
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, url: str, cfg: RolloutConfig) -> "SGLangClient":
+        """A client with the rollout config's key, timeout and retries."""
+        return cls(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+
+    # ---- RolloutEngine -----------------------------------------------------------------
+    async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
+        # a timed-out generation is not resent: the engine may still be running it
+        data = await self.arequest("POST", "/generate", rq.generate_body(request), retry_timeouts=False)
+        return rq.parse_generate(request.rid, data, self.initial_version)
+
+    async def apause(self, mode: str = "abort") -> None:
+        await self.arequest("POST", "/pause_generation", rq.pause_body(mode))
+
+    async def aresume(self) -> None:
+        await self.arequest("POST", "/continue_generation", {})
+
+    async def aupdate_weights(self, weights: WeightVersion) -> None:
+        """Load a published version. "disk" and "shm" are both HF folders (shm: under /dev/shm
+        on this node) loaded through /update_weights_from_disk; "nccl" needs the tensor list
+        and a broadcast running on the learner, so it goes through `aupdate_weights_from_distributed`."""
+        if weights.kind not in ("disk", "shm"):
+            raise ValueError(
+                f"SGLangClient.aupdate_weights: kind {weights.kind!r} is not a folder; for 'nccl' call "
+                "ainit_weights_update_group once, then aupdate_weights_from_distributed while the learner broadcasts")
+        route = "/update_weights_from_disk"
+        rq.check_success(route, await self.arequest("POST", route, rq.update_from_disk_body(weights.location, weights.version)))
+
+    async def ahealth(self) -> bool:
+        """One try of /health_generate with the connect timeout; any failure means unhealthy."""
+        try:
+            await self.arequest("GET", "/health_generate", timeout_s=max(self.connect_timeout_s, 30.0), retries=0)
+        except EngineError:
+            return False
+        return True
+
+    # ---- the rest of the protocol ------------------------------------------------------
+    async def aabort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self.arequest("POST", "/abort_request", rq.abort_body(rid, abort_all))
+
+    async def amodel_info(self) -> dict[str, Any]:
+        return await self.arequest("GET", "/model_info")
+
+    async def aflush_cache(self) -> None:
+        await self.arequest("POST", "/flush_cache")
+
+    async def ainit_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                         world_size: int, group_name: str = "weight_update_group",
+                                         backend: str = "nccl") -> None:
+        route = "/init_weights_update_group"
+        body = rq.init_group_body(master_address, master_port, rank_offset, world_size, group_name, backend)
+        rq.check_success(route, await self.arequest("POST", route, body))
+
+    async def aupdate_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                               version: int, group_name: str = "weight_update_group") -> None:
+        """Returns when the engine has received and loaded every tensor: call it concurrently
+        with the learner's broadcast of the same tensors in the same order."""
+        route = "/update_weights_from_distributed"
+        body = rq.update_distributed_body(names, dtypes, shapes, version, group_name)
+        rq.check_success(route, await self.arequest("POST", route, body))
+
+    # ---- transport ---------------------------------------------------------------------
+    async def arequest(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None,
+                       retries: int | None = None, retry_timeouts: bool = True) -> Any:
+        """One call with retries; returns the decoded JSON answer (text if not JSON, None if
+        empty). Retries connection failures, 502/503/504 and (unless `retry_timeouts` is false)
+        timeouts, waiting backoff_s * 2**attempt between attempts."""
+        retries = self.max_retries if retries is None else retries
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, connect=self.connect_timeout_s)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        last: BaseException | None = None
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with self._asession().request(method, self.url + route, json=body, headers=headers, timeout=timeout) as resp:
+                    text = await resp.text()
+                    if resp.status in RETRY_STATUSES and attempt < retries:
+                        last = EngineHTTPError(self.url, route, resp.status, text)
+                        continue
+                    if resp.status >= 400:
+                        raise EngineHTTPError(self.url, route, resp.status, text)
+                    if not text:
+                        return None
+                    return await resp.json(content_type=None) if resp.content_type == "application/json" else text
+            except asyncio.TimeoutError as exc:  # aiohttp's timeouts are TimeoutError subclasses
+                last = exc
+                # a connect timeout never delivered the request, so resending it is always safe
+                if not retry_timeouts and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+                    raise EngineUnreachableError(self.url, route, attempt + 1, exc) from exc
+            except aiohttp.ClientConnectionError as exc:
+                last = exc
+        raise EngineUnreachableError(self.url, route, retries + 1, last) from last
+
+    def _asession(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session = aiohttp.ClientSession()
+            self._session_loop = loop
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> "SGLangClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
