@@ -28,6 +28,18 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
+def _truncate_steps(path: str, start_step: int) -> None:
+    """Drop the lines of steps >= start_step (a resumed run redoes them), atomically."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as fh:
+        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) < start_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(keep)
+    os.replace(tmp, path)
+
+
 class Telemetry:
     """Write metrics for one process (the main learner rank); others pass `enabled=False`."""
 
@@ -37,6 +49,7 @@ class Telemetry:
         self.run_dir = run_dir
         self._writer = None
         self._jsonl = None
+        self._ledger = None
         self._bar = None
         self._t0 = time.time()
         if not enabled:
@@ -47,7 +60,12 @@ class Telemetry:
 
             self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb"), purge_step=start_step or None)
         if jsonl:
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            path = os.path.join(run_dir, "metrics.jsonl")
+            _truncate_steps(path, start_step)
+            self._jsonl = open(path, "a", encoding="utf-8")
+        ledger = os.path.join(run_dir, "trained_prompts.jsonl")
+        _truncate_steps(ledger, start_step)  # steps after the checkpoint were rolled back
+        self._ledger = open(ledger, "a", encoding="utf-8")
         if progress:
             from tqdm import tqdm
 
@@ -84,6 +102,13 @@ class Telemetry:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(max(0, step + 1 - self._bar.n))
 
+    def record_trained(self, step: int, prompt_ids: list[int]) -> None:
+        """Append which prompts step `step` trained on (`trained_prompts.jsonl`): the ledger that
+        shows no prompt is lost or trained twice across a kill and resume."""
+        if self._ledger is not None:
+            self._ledger.write(json.dumps({"step": step, "prompt_ids": [int(u) for u in prompt_ids]}) + "\n")
+            self._ledger.flush()
+
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.enabled and self._writer is not None:
             self._writer.add_text(tag, text, step)
@@ -94,6 +119,7 @@ class Telemetry:
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        self._bar = self._writer = self._jsonl = None
+        for fh in (self._jsonl, self._ledger):
+            if fh is not None:
+                fh.close()
+        self._bar = self._writer = self._jsonl = self._ledger = None

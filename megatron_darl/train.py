@@ -55,6 +55,7 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         metrics.update(learner.train_step(train))                              # 4. train (minibatches)
         if main:
             feed.store.commit(step, cands.group_ids[chosen])
+            telemetry.record_trained(step, sorted(set(train.prompt_ids.tolist())))
             metrics.update(step_diagnostics(train, step, cfg.algo))
             metrics.update(feed.store.metrics())
         step += 1

@@ -15,7 +15,7 @@ class EvalConfig:
     """Held-out evaluation during and after training."""
 
     every_steps: int = 0  # evaluate every N train steps (0: only at the start and end)
-    num_problems: int = 500  # problems drawn from data.eval_source
+    num_problems: int = 500  # problems drawn from data.eval_source (0: no evaluation)
     samples_per_problem: int = 1  # k of avg@k / pass@k
     temperature: float = 0.0  # 0 = greedy
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
@@ -25,8 +25,8 @@ class EvalConfig:
         errs: list[tuple[str, str]] = []
         if self.every_steps < 0:
             errs.append(("every_steps", "must be >= 0"))
-        if self.num_problems < 1:
-            errs.append(("num_problems", "must be >= 1"))
+        if self.num_problems < 0:
+            errs.append(("num_problems", "must be >= 0 (0: no evaluation)"))
         if self.samples_per_problem < 1:
             errs.append(("samples_per_problem", "must be >= 1"))
         if self.temperature < 0:
