@@ -249,7 +249,7 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
     """`loss = -sum_k beta_k L_k`, `L_k = (1/N_k) sum_{i in S_k} sum_j objective_ij`.
 
     `N_k` from `version_token_counts` (whole batch) or this call's masked tokens of version k
-    (a version without tokens has `L_k = 0`). Returns `(loss, {"algo/loss/v{k}": L_k})`.
+    (a version without tokens has `L_k = 0`). Returns `(loss, {"algo/objective/v{k}": L_k})`.
     """
     row_sum = objective.sum(-1)
     row_tokens = mask.sum(-1).to(objective.dtype)
@@ -263,7 +263,7 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
             n_k = max(float(lookup_version(version_token_counts, k, "version_token_counts")), 1.0)
         l_k = row_sum[rows].sum() / n_k
         loss = loss - float(lookup_version(beta, k, "beta")) * l_k
-        metrics[f"algo/loss/v{k}"] = l_k.detach()
+        metrics[f"algo/objective/v{k}"] = l_k.detach()
     return loss, metrics
 
 
