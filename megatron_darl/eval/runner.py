@@ -85,7 +85,9 @@ async def aevaluate(engines: Sequence[RolloutEngine], prompts: Sequence[Any], to
                          answer=prompts[i].answer, metadata=dict(prompts[i].metadata))
              for i in range(len(prompts)) for j in range(k)]
     results = await scorer.ascore(items)
-    scores = np.array([r.score for r in results], dtype=np.float64).reshape(len(prompts), k)
+    # accuracy counts full marks only: some verifiers give partial credit (reasoning-gym's
+    # chain_sum scores "-566" for "-56" at 0.75), which is a reward shape, not a correct answer
+    scores = np.array([r.score >= 1.0 for r in results], dtype=np.float64).reshape(len(prompts), k)
     return ProblemScores(uids=[p.uid for p in prompts], scores=scores)
 
 

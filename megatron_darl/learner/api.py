@@ -23,8 +23,8 @@ POLICY_LOSSES = ("ppo", "decoupled", "darl", "sg_weight")
 class ModelConfig:
     """Which model the learner trains and in which numeric format."""
 
-    hf_dir: str = ""  # Hugging Face folder with config.json (and weights when init="hf")
-    init: str = "hf"  # "hf": load the folder's safetensors; "random": Megatron init from config.json
+    hf_dir: str = ""  # HF folder with config.json (+ safetensors), or a darl-convert Megatron folder
+    init: str = "hf"  # "hf": load hf_dir's weights; "random": Megatron init from its config
     tokenizer: str = ""  # tokenizer folder; empty means hf_dir
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     spec: str = "auto"  # layer spec: auto (te when TE and CUDA are present, else local) | local | te

@@ -114,7 +114,7 @@ class ReplayGroup:
 
 @dataclass
 class Candidates:
-    """The groups a step may train on, in pool order (oldest version first, then arrival).
+    """The groups a step may train on, in pool order (oldest version first, then group id).
 
     The learner recomputes proximal log-probs for them, scores each group, calls its
     selection function with (`scores`, `versions`, batch_groups) and passes the chosen indices

@@ -62,7 +62,8 @@ class _Tok:
 
 class _Scorer:
     async def ascore(self, items):
-        return [RewardResult(float(i.response == i.answer["gold"]), "ok") for i in items]
+        # partial credit (0.75) must not count as a correct answer
+        return [RewardResult(1.0 if i.response == i.answer["gold"] else 0.75, "ok") for i in items]
 
 
 def test_aevaluate_generates_k_per_problem_and_grades():
@@ -70,6 +71,11 @@ def test_aevaluate_generates_k_per_problem_and_grades():
     engines = [_EchoEngine(), _EchoEngine()]
     res = asyncio.run(aevaluate(engines, prompts, _Tok(), _Scorer(), k=3, temperature=0.0, max_new_tokens=4))
     assert res.scores.shape == (10, 3) and res.scores.min() == 1.0
+    wrong = [_Prompt(u) for u in range(4)]
+    for p in wrong:
+        p.answer = {"gold": "nope"}
+    res = asyncio.run(aevaluate([_EchoEngine()], wrong, _Tok(), _Scorer(), k=1))
+    assert res.scores.max() == 0.0
     assert len(engines[0].seen) == len(engines[1].seen) == 15  # spread over both engines
     assert all(r.sampling.temperature == 0.0 and r.sampling.max_new_tokens == 4 for r in engines[0].seen)
     seeds = {r.sampling.seed for e in engines for r in e.seen}
