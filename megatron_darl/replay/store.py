@@ -1,0 +1,292 @@
+"""Replay store: complete groups of the K newest behavior versions, with reuse counts.
+
+What it is: the learner-side pool that D-ARL samples from. Trajectories arrive one by one
+(`add`, typically from `ShmRing.get_trajectory`); a group enters the pool once its G responses
+are in. Each training step is two phases, because a group's score needs proximal log-probs
+that only the learner can compute:
+
+    cands = store.candidates(t)              # evicts by age, applies warmup; no other change
+    scores = learner_scores(cands.groups)    # recompute log pi_prox, score s_g per group
+    idx = select_fn(scores, cands.versions, batch_groups)
+    batch = store.commit(t, cands.group_ids[idx])   # reuse += 1, drop groups at max_reuse
+
+`sample(t, batch_groups, select_fn, score_fn)` runs both phases for callers whose scores need
+no learner pass (baselines). Rules (ALGORITHM.md): a group of behavior version v leaves when
+t - v > K (replay on) or after `effective_max_reuse` trainings; for the first `warmup` steps
+only the freshest version in the pool is offered. With replay off (`enable=False`) every group
+is trained exactly once and never aged out, as the baselines do: the staleness gate bounds
+their age instead. `state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able
+metadata plus numpy arrays, no pickle).
+What it is not: the selection rule (`algo.select_groups`), the scoring maths, or transport.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from megatron_darl.replay.api import Candidates, ReplayConfig, ReplayGroup, SelectFn
+from megatron_darl.types import TRAJECTORY_FIELDS, Trajectory
+
+STATE_FORMAT = 1
+
+
+def select_fifo(group_scores: np.ndarray, group_versions: np.ndarray, batch_groups: int) -> np.ndarray:
+    """Baseline selection: candidates in pool order (oldest version first, then group id)."""
+    return np.arange(min(batch_groups, len(group_versions)))
+
+
+def select_fresh_first(group_scores: np.ndarray, group_versions: np.ndarray, batch_groups: int) -> np.ndarray:
+    """Baseline selection: newest behavior version first, pool order within a version."""
+    order = np.argsort(-np.asarray(group_versions), kind="stable")
+    return order[:batch_groups]
+
+
+def uniform_select(seed: int) -> SelectFn:
+    """Baseline selection: a uniform random subset, reproducible from `seed`."""
+    rng = np.random.default_rng(seed)
+
+    def select(group_scores: np.ndarray, group_versions: np.ndarray, batch_groups: int) -> np.ndarray:
+        n = len(group_versions)
+        return np.sort(rng.choice(n, size=min(batch_groups, n), replace=False))
+
+    return select
+
+
+def _group_version(trajs: list[Trajectory], step: int) -> int:
+    """The oldest version among the group's tokens; a group of empty responses counts as fresh."""
+    versions = [t.version for t in trajs if t.version >= 0]
+    return min(versions) if versions else step
+
+
+class ReplayStore:
+    """Pool of complete groups over the K newest behavior versions (see the module docstring)."""
+
+    def __init__(self, cfg: ReplayConfig, group_size: int):
+        errs = cfg.check()
+        if errs:
+            raise ValueError("ReplayStore: invalid config: " + "; ".join(f"replay.{k}: {m}" for k, m in errs))
+        if group_size < 1:
+            raise ValueError(f"ReplayStore: group_size={group_size} must be >= 1")
+        self.cfg = cfg
+        self.group_size = group_size
+        self._pool: dict[int, ReplayGroup] = {}  # insertion order = arrival order
+        self._pending: dict[int, list[Trajectory]] = {}  # groups still missing responses
+        self._step = 0  # latest step seen (candidates/commit/add)
+        self._counters = Counter()  # cumulative: added, evicted_age, evicted_reuse, dropped_incomplete
+        self._last_cand_ages: Counter = Counter()  # metrics of the latest step only
+        self._last_batch_ages: Counter = Counter()
+
+    # ---------------------------------------------------------------- intake
+    def add(self, traj: Trajectory, step: int | None = None) -> ReplayGroup | None:
+        """Add one response; returns the group if this response completed it."""
+        step = self._step if step is None else step
+        if traj.group_id in self._pool:
+            raise ValueError(f"ReplayStore.add: group {traj.group_id} is already complete (G={self.group_size})")
+        members = self._pending.setdefault(traj.group_id, [])
+        members.append(traj)
+        if len(members) < self.group_size:
+            return None
+        del self._pending[traj.group_id]
+        group = ReplayGroup(traj.group_id, _group_version(members, step), members, reuse=0, added_step=step)
+        self._pool[group.group_id] = group
+        self._counters["added"] += 1
+        return group
+
+    def add_many(self, trajs: Iterable[Trajectory], step: int | None = None) -> int:
+        """Add responses; returns how many groups they completed."""
+        return sum(self.add(t, step) is not None for t in trajs)
+
+    # ---------------------------------------------------------------- sampling
+    def candidates(self, step: int) -> Candidates:
+        """Evict what aged out at `step`, then the groups this step may train on."""
+        self._step = max(self._step, step)
+        self._evict_age(step)
+        groups = self._eligible(step)
+        self._last_cand_ages = Counter(step - g.version for g in groups)
+        return Candidates(step, groups)
+
+    def commit(self, step: int, group_ids: Iterable[int]) -> list[ReplayGroup]:
+        """Mark the chosen groups trained at `step` (in the given order); returns them."""
+        ids = [int(g) for g in np.asarray(list(group_ids), dtype=np.int64).reshape(-1)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ReplayStore.commit(step={step}): repeated group ids in {ids}")
+        missing = [g for g in ids if g not in self._pool]
+        if missing:
+            raise KeyError(f"ReplayStore.commit(step={step}): groups {missing} are not in the pool")
+        self._step = max(self._step, step)
+        batch = [self._pool[g] for g in ids]
+        limit = self.cfg.effective_max_reuse
+        for g in batch:
+            g.reuse += 1
+            if g.reuse >= limit:
+                del self._pool[g.group_id]
+                self._counters["evicted_reuse"] += 1
+        self._last_batch_ages = Counter(step - g.version for g in batch)
+        return batch
+
+    def sample(
+        self,
+        step: int,
+        batch_groups: int,
+        select_fn: SelectFn,
+        score_fn: Callable[[list[ReplayGroup]], np.ndarray] | None = None,
+    ) -> list[ReplayGroup]:
+        """Both phases in one call; `score_fn(groups)` gives group scores (zeros when None)."""
+        cands = self.candidates(step)
+        if not len(cands):
+            return []
+        scores = np.zeros(len(cands)) if score_fn is None else np.asarray(score_fn(cands.groups), dtype=np.float64)
+        if scores.shape != (len(cands),):
+            raise ValueError(f"ReplayStore.sample: score_fn returned shape {scores.shape}, expected ({len(cands)},)")
+        idx = np.asarray(select_fn(scores, cands.versions, batch_groups), dtype=np.int64).reshape(-1)
+        if len(idx) > batch_groups or (len(idx) and (idx.min() < 0 or idx.max() >= len(cands))):
+            raise ValueError(
+                f"ReplayStore.sample: select_fn returned indices {idx.tolist()} for {len(cands)} candidates "
+                f"and batch_groups={batch_groups}"
+            )
+        return self.commit(step, cands.group_ids[idx])
+
+    def ready(self, step: int, batch_groups: int, min_new: int = 0) -> bool:
+        """Whether `step` can fill `batch_groups` and has at least `min_new` never-trained groups."""
+        groups = self._eligible(step)
+        return len(groups) >= batch_groups and sum(g.reuse == 0 for g in groups) >= min_new
+
+    def _aged_out(self, g: ReplayGroup, step: int) -> bool:
+        return self.cfg.enable and step - g.version > self.cfg.k
+
+    def _evict_age(self, step: int) -> None:
+        for gid in [gid for gid, g in self._pool.items() if self._aged_out(g, step)]:
+            del self._pool[gid]
+            self._counters["evicted_age"] += 1
+        # an incomplete group this old would be evicted as soon as it completed; it may also have
+        # lost a response (a producer died mid-write) and never complete. With replay off nothing
+        # ages out: a slow group may still complete (the leak is one group per producer death)
+        if not self.cfg.enable:
+            return
+        stale = [gid for gid, m in self._pending.items() if step - _group_version(m, step) > self.cfg.k]
+        for gid in stale:
+            del self._pending[gid]
+            self._counters["dropped_incomplete"] += 1
+
+    def _eligible(self, step: int) -> list[ReplayGroup]:
+        groups = [g for g in self._pool.values() if not self._aged_out(g, step)]
+        # (version, group id), not arrival order: arrival depends on engine timing, and the same
+        # data must give the same batch on a rerun
+        groups.sort(key=lambda g: (g.version, g.group_id))
+        if step < self.cfg.warmup and groups:
+            newest = max(g.version for g in groups)
+            groups = [g for g in groups if g.version == newest]
+        return groups
+
+    # ---------------------------------------------------------------- introspection
+    def __len__(self) -> int:
+        return len(self._pool)
+
+    @property
+    def groups(self) -> list[ReplayGroup]:
+        return list(self._pool.values())
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def metrics(self) -> dict[str, float | np.ndarray]:
+        """Scalars and histograms (numpy arrays) under `replay/`; filtered_frac is per age d = t - v."""
+        t, k = self._step, self.cfg.k
+        ages = [min(max(t - g.version, 0), k + 1) for g in self._pool.values()]  # bin k+1: older than K
+        reuse_bins = max(self.cfg.effective_max_reuse, 1)
+        out: dict[str, float | np.ndarray] = {
+            "replay/pool_groups": float(len(self._pool)),
+            "replay/pool_trajectories": float(sum(len(g.trajectories) for g in self._pool.values())),
+            "replay/pending_groups": float(len(self._pending)),
+            "replay/staleness_hist": np.bincount(np.array(ages, dtype=np.int64), minlength=k + 2),
+            "replay/reuse_hist": np.bincount(
+                np.array([g.reuse for g in self._pool.values()], dtype=np.int64), minlength=reuse_bins
+            ),
+        }
+        for name in ("added", "evicted_age", "evicted_reuse", "dropped_incomplete"):
+            out[f"replay/{name}"] = float(self._counters[name])
+        n_batch = sum(self._last_batch_ages.values())
+        if n_batch:
+            out["replay/batch_staleness_mean"] = sum(a * c for a, c in self._last_batch_ages.items()) / n_batch
+        for age, n in sorted(self._last_cand_ages.items()):
+            out[f"replay/filtered_frac/v{age}"] = 1.0 - self._last_batch_ages.get(age, 0) / n
+        return out
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """{"meta": JSON-able dict, "arrays": {name: 1-D numpy array}}; exact round trip."""
+        trajs = [t for g in self._pool.values() for t in g.trajectories]
+        trajs += [t for m in self._pending.values() for t in m]
+        meta = {
+            "format": STATE_FORMAT,
+            "group_size": self.group_size,
+            "step": self._step,
+            "counters": dict(self._counters),
+            "groups": [
+                [g.group_id, g.version, g.reuse, g.added_step, len(g.trajectories)] for g in self._pool.values()
+            ],
+            "pending": [[gid, len(m)] for gid, m in self._pending.items()],
+        }
+        arrays: dict[str, np.ndarray] = {}
+        flat = [t.to_arrays() for t in trajs]
+        for name, dtype in TRAJECTORY_FIELDS:
+            parts = [f[name] for f in flat]
+            arrays[f"traj/{name}"] = np.concatenate(parts) if parts else np.zeros(0, dtype)
+            arrays[f"traj/{name}/len"] = np.array([len(p) for p in parts], dtype=np.int64)
+        arrays["traj/reward64"] = np.array([t.reward for t in trajs], dtype=np.float64)  # float32 field is lossy
+        return {"meta": meta, "arrays": arrays}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the pool saved by `state_dict` (replaces everything in this store)."""
+        meta, arrays = state["meta"], state["arrays"]
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"ReplayStore.load_state_dict: format {meta.get('format')}, expected {STATE_FORMAT}")
+        if meta["group_size"] != self.group_size:
+            raise ValueError(
+                f"ReplayStore.load_state_dict: saved group_size {meta['group_size']} != this store's {self.group_size}"
+            )
+        trajs = iter(_unflatten(arrays))
+        self._pool = {}
+        for gid, version, reuse, added_step, n in meta["groups"]:
+            members = [next(trajs) for _ in range(n)]
+            self._pool[int(gid)] = ReplayGroup(int(gid), int(version), members, int(reuse), int(added_step))
+        self._pending = {int(gid): [next(trajs) for _ in range(n)] for gid, n in meta["pending"]}
+        self._step = int(meta["step"])
+        self._counters = Counter({k: int(v) for k, v in meta["counters"].items()})
+        self._last_cand_ages, self._last_batch_ages = Counter(), Counter()
+
+    def save(self, path: str) -> None:
+        """Write `state_dict()` to one .npz file (meta as UTF-8 JSON bytes)."""
+        state = self.state_dict()
+        meta = np.frombuffer(json.dumps(state["meta"]).encode("utf-8"), dtype=np.uint8)
+        with open(path, "wb") as f:
+            np.savez(f, __meta__=meta, **state["arrays"])
+
+    def load(self, path: str) -> None:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+            meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
+        self.load_state_dict({"meta": meta, "arrays": arrays})
+
+
+def _unflatten(arrays: dict[str, np.ndarray]) -> list[Trajectory]:
+    lens = {name: arrays[f"traj/{name}/len"] for name, _ in TRAJECTORY_FIELDS}
+    n = len(arrays["traj/reward64"])
+    if any(len(v) != n for v in lens.values()):
+        raise ValueError("ReplayStore.load_state_dict: trajectory field counts disagree")
+    ends = {name: np.cumsum(v) for name, v in lens.items()}
+    out = []
+    for i in range(n):
+        fields = {}
+        for name, dtype in TRAJECTORY_FIELDS:
+            end = int(ends[name][i])
+            fields[name] = np.asarray(arrays[f"traj/{name}"][end - int(lens[name][i]) : end], dtype=dtype).copy()
+        traj = Trajectory.from_arrays(fields)
+        traj.reward = float(arrays["traj/reward64"][i])
+        out.append(traj)
+    return out
