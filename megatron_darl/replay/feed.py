@@ -52,10 +52,7 @@ class ReplayFeed:
                 raise TimeoutError(f"step {step}: no batch of {self.batch_groups} groups within {timeout_s} s "
                                    f"(pool: {len(self.store)} groups, {self.store.num_pending} incomplete)")
         self.wait_s = time.monotonic() - t0
-        cands = self.store.candidates(step)
-        # a deterministic order (arrival order depends on engine timing): same data, same batch
-        cands.groups.sort(key=lambda g: (g.version, g.group_id))
-        return cands
+        return self.store.candidates(step)  # sorted by (version, group_id): arrival order never matters
 
     def drain_to(self, count: int, step: int, alive: Callable[[], None], timeout_s: float = 600.0) -> None:
         """Take records until exactly `count` have been received in total."""
