@@ -117,6 +117,10 @@ class RunConfig:
         if self.replay.pmis and self.algo.policy_loss != "darl":
             errs.append(("replay.pmis", f"the per-version objective needs algo.policy_loss=darl "
                          f"(got {self.algo.policy_loss!r}); set replay.pmis=false for baselines"))
+        if self.replay.pmis and self.replay.pmis_beta == "balance":
+            errs.append(("replay.pmis_beta", "balance needs the behavior log-probs of every kept version, which "
+                         "the Megatron learner does not keep in this version; use ess or tokens (the balance "
+                         "heuristic itself is algo.balance_weights)"))
         if self.replay.sg and not self.replay.enable:
             errs.append(("replay.sg", "variance-guided selection needs replay.enable=true"))
         if self.replay.sg and not self.algo.recompute_proximal:

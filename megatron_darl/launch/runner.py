@@ -89,7 +89,7 @@ def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
 
     preempted = _Preemption()
     learner = MegatronLearner(cfg.model, cfg.parallel, cfg.optim, cfg.learner, cfg.algo,
-                              temperature=cfg.rollout.temperature, seed=cfg.train.seed)
+                              temperature=cfg.rollout.temperature, seed=cfg.train.seed, pmis=learner_pmis(cfg))
     feed = None
     if learner.is_main:
         ring = ShmRing.create(info["ring"], cfg.replay.ring_bytes, checksum=cfg.replay.effective_ring_checksum)
@@ -110,6 +110,12 @@ def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
     return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info)
 
 
+def learner_pmis(cfg: RunConfig) -> str:
+    """D-ARL's beta_k for the learner: `replay.pmis_beta`, or "tokens" (beta_k = N_k / N, one
+    collapsed token mean) when `replay.pmis` is false."""
+    return cfg.replay.pmis_beta if cfg.replay.pmis else "tokens"
+
+
 def learner_env(rank: int, world: int, port: int) -> dict[str, str]:
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
@@ -120,7 +126,12 @@ def new_run_id() -> str:
 
 
 def write_run_info(cfg: RunConfig, info: dict[str, Any]) -> tuple[str, str]:
-    """Save the resolved config and the run info where every child can read them."""
+    """Save the resolved config and the run info where every child can read them. A notice or
+    status left by an earlier run in this folder is removed: its weights, `stop` and
+    `state_request` belong to processes that are gone, and a new manager must not act on them."""
+    for stale in (info["notice"], info["status"]):
+        if os.path.exists(stale):
+            os.unlink(stale)
     cfg_path = save_resolved(cfg, info["run_dir"])
     info_path = os.path.join(info["run_dir"], "run_info.json")
     with open(info_path, "w", encoding="utf-8") as fh:

@@ -161,7 +161,6 @@ class AlgorithmConfig:
     ratio_level: str = "token"  # token | sequence (GSPO-style)
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     adv_eps: float = 1e-6  # std floor of GRPO normalisation
-    pmis: str = "ess"  # darl per-version weights beta_k when the loop passes none: ess | tokens
     ppo_n_minibatches: int = 4  # optimizer steps per train step
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
 
@@ -172,7 +171,6 @@ class AlgorithmConfig:
         "rollout_is_mode": ("truncate", "mask", "clip"),
         "ratio_level": ("token", "sequence"),
         "advantage": ("grpo", "drgrpo", "rloo"),
-        "pmis": ("ess", "tokens"),
     }
 
     def check(self) -> list[tuple[str, str]]:
@@ -206,7 +204,8 @@ class AlgorithmConfig:
 @runtime_checkable
 class Learner(Protocol):
     """What the train loop calls. Every rank of the learner job calls every method in the same
-    order (they are collective); only `is_main` ranks get meaningful return values."""
+    order (they are collective) and gets the same return values; `is_main` (global rank 0) is
+    the rank that owns incoming batches (`broadcast_batch`) and writes files."""
 
     @property
     def is_main(self) -> bool: ...
@@ -224,3 +223,5 @@ class Learner(Protocol):
     def save(self, ckpt_dir: str, extra_state: dict[str, Any]) -> None: ...
 
     def load(self, ckpt_dir: str) -> dict[str, Any]: ...
+
+    def close(self, keep_world: bool = False) -> None: ...

@@ -1,0 +1,146 @@
+"""`MegatronLearner`: the Megatron-Core implementation of the `Learner` protocol.
+
+What it is: the object the train loop holds on every learner rank — it sets up the process
+groups, builds and loads the model, and exposes recompute (`compute_logprobs`), the RL
+`train_step`, HF weight export and `dist_checkpointing` save/load. All methods are collective:
+every rank calls them in the same order; rank 0 (`is_main`) owns the batches and the results.
+What it is not: the async loop (train.py) or the loss maths (algo/).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_darl.learner import checkpoint, model, weights
+from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+from megatron_darl.learner.collectives import broadcast_arrays
+from megatron_darl.learner.logprobs import run_schedule
+from megatron_darl.learner.packing import rank_micro_batches
+from megatron_darl.learner.parallel import destroy_parallel, init_parallel
+from megatron_darl.learner.train_step import setup_training, train_step
+from megatron_darl.types import TrainBatch
+
+_BATCH_FIELDS = ("tokens", "lengths", "loss_mask", "advantages", "behav_logprobs", "token_versions",
+                 "versions", "group_index", "rewards", "prompt_ids", "prox_logprobs")
+
+
+def _check(section: str, cfg) -> None:
+    for field, msg in cfg.check() if hasattr(cfg, "check") else []:
+        raise ValueError(f"{section}.{field}: {msg}")
+    for field, allowed in getattr(cfg, "_choices", {}).items():
+        value = getattr(cfg, field)
+        if value is not None and value not in allowed:
+            raise ValueError(f"{section}.{field}={value!r}; allowed: {', '.join(allowed)}")
+
+
+class MegatronLearner:
+    """Megatron-Core learner ranks for one Qwen3-family model (see `Learner` in api.py)."""
+
+    def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, optim_cfg: OptimConfig,
+                 learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig, temperature: float = 1.0, seed: int = 0,
+                 pmis: str = "ess"):
+        for section, cfg in (("model", model_cfg), ("parallel", parallel_cfg), ("optim", optim_cfg),
+                             ("learner", learner_cfg), ("algorithm", algo_cfg)):
+            _check(section, cfg)
+        if pmis not in ("ess", "tokens"):
+            raise ValueError(f"pmis={pmis!r}: the learner computes D-ARL's beta_k as ess or tokens")
+        self.pmis = pmis  # replay.pmis_beta (tokens when replay.pmis is false); used by policy_loss=darl
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.model_cfg, self.parallel_cfg, self.optim_cfg = model_cfg, parallel_cfg, optim_cfg
+        self.learner_cfg, self.algo_cfg, self.temperature = learner_cfg, algo_cfg, temperature
+        self.ctx = init_parallel(parallel_cfg, seed)
+        self.hf_config = model.read_hf_config(model_cfg.hf_dir)
+        self.spec = model.resolve_spec(model_cfg, self.ctx.on_gpu)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        chunks = model.build_model(self.hf_config, model_cfg, parallel_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
+        if model_cfg.init == "hf":
+            model.load_initial_weights(chunks, model_cfg, self.hf_config, self.spec, self.ctx)
+        self.chunks = chunks
+        self.ddp, self.optimizer, self.scheduler = setup_training(chunks, optim_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
+        self.step = 0  # train steps done (each is ppo_n_minibatches optimizer steps)
+        self.num_params = self._count_params()
+
+    # ---- protocol ----
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    def broadcast_batch(self, batch: TrainBatch | None) -> TrainBatch:
+        """Rank 0's batch on every rank (the others pass None)."""
+        arrays = None
+        if self.is_main:
+            arrays = {f: getattr(batch, f) for f in _BATCH_FIELDS if getattr(batch, f) is not None}
+        got = broadcast_arrays(arrays, 0, None, self.ctx.device)
+        return TrainBatch(**got)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> np.ndarray:
+        """Log-probs [B, L] under the current weights (at the sampling temperature): the value at
+        t is log p(tokens[t] | tokens[:t]) for 1 <= t < lengths[i], 0 at t = 0 and on padding."""
+        ctx = self.ctx
+        rows = np.arange(batch.batch_size)
+        mbs = rank_micro_batches(batch, rows, self.learner_cfg.recompute_tokens, ctx.dp, ctx.dp_rank, ctx.device)
+        outs = run_schedule(self.ddp, mbs, forward_only=True, temperature=self.temperature,
+                            vocab_size=self.vocab_size, pg=ctx.pg,
+                            head=lambda mb, lp, ent: (lp.sum() * 0.0, {"logp": lp}))
+        full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=ctx.device)
+        for mb, out in zip(mbs, outs):
+            if mb["live"]:
+                lp = out["logp"]
+                full[torch.as_tensor(mb["rows"], device=ctx.device), : lp.shape[1]] = lp
+        pos = torch.arange(full.shape[1], device=ctx.device)
+        full = torch.where(pos < torch.as_tensor(batch.lengths, device=ctx.device)[:, None], full, 0.0)
+        dist.all_reduce(full, group=ctx.pg.dp)  # DP ranks filled disjoint rows
+        dist.broadcast(full, src=dist.get_global_rank(ctx.pg.pp, ctx.pp - 1), group=ctx.pg.pp)
+        return full.cpu().numpy()
+
+    def train_step(self, batch: TrainBatch, beta: dict[int, float] | None = None) -> dict[str, float]:
+        """`algorithm.ppo_n_minibatches` optimizer steps on `batch` (which must carry
+        `prox_logprobs` when the loss reads them); returns metrics (same on every rank)."""
+        metrics = train_step(self.ddp, self.optimizer, self.scheduler, batch, self.algo_cfg, self.learner_cfg,
+                             pg=self.ctx.pg, device=self.ctx.device, temperature=self.temperature,
+                             vocab_size=self.vocab_size, beta=beta, pmis=self.pmis, num_params=self.num_params)
+        self.step += 1
+        metrics["train/step"] = float(self.step)
+        return metrics
+
+    def iter_hf_buckets(self, bucket_bytes: int = 256 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named tensors (gathered over TP and PP) in buckets of about `bucket_bytes`;
+        collective: every rank iterates, every rank receives the same buckets."""
+        return weights.iter_hf_buckets(self.chunks, self._adapter(), self.ctx, bucket_bytes)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write a Hugging Face folder (safetensors + config.json) atomically (rank 0 writes)."""
+        from checkpoint_tools.mcore_format import HF_EXTRA_DIR
+
+        sources = [self.model_cfg.tokenizer_dir, self.model_cfg.hf_dir, f"{self.model_cfg.hf_dir}/{HF_EXTRA_DIR}"]
+        weights.save_hf_weights(self.chunks, self._adapter(), self.ctx, out_dir, sources)
+
+    def save(self, ckpt_dir: str, extra_state: dict[str, Any] | None = None) -> None:
+        """dist_checkpointing save of model, optimizer, scheduler, RNG, step and `extra_state`."""
+        checkpoint.save(self, ckpt_dir, extra_state or {})
+
+    def load(self, ckpt_dir: str) -> dict[str, Any]:
+        """Restore a `save` (any TP/PP layout); returns its `extra_state`."""
+        return checkpoint.load(self, ckpt_dir)
+
+    def close(self, keep_world: bool = False) -> None:
+        """Release the process groups (`keep_world`: keep torch.distributed for another learner)."""
+        destroy_parallel(keep_world)
+
+    # ---- helpers ----
+    def _adapter(self):
+        from checkpoint_tools.adapters import get_adapter
+
+        return get_adapter(self.hf_config, spec=self.spec,
+                           make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
+
+    def _count_params(self) -> int:
+        n = torch.tensor([sum(p.numel() for c in self.chunks for p in c.parameters())], device=self.ctx.device)
+        dist.all_reduce(n, group=self.ctx.pg.mp)  # TP shards and PP stages hold disjoint parameters
+        return int(n.item())

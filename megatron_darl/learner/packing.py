@@ -1,0 +1,82 @@
+"""Cutting a TrainBatch into minibatches, data-parallel shares and token-budget micro-batches.
+
+What it is: pure index arithmetic over sequence lengths and group ids, plus `micro_batch`, which
+turns a set of rows into the tensors one schedule step consumes.
+What it is not: a sequence packer that concatenates several sequences into one row. Rows keep
+one sequence each and are right-padded to the longest row of their micro-batch (the causal mask
+makes the padding invisible to the real tokens; padded positions carry loss mask 0). Sorting
+rows by length before cutting keeps that padding small. The budget counts padded tokens
+(rows x padded length), so memory per micro-batch is bounded whatever the length mix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_darl.types import TrainBatch
+
+
+def split_minibatches(group_index: np.ndarray, n: int) -> list[np.ndarray]:
+    """Row indices of `n` minibatches: whole groups (a group is never split), contiguous in
+    group order, balanced by group count. Fewer than `n` when there are fewer groups."""
+    groups = list(dict.fromkeys(int(g) for g in group_index))
+    parts = np.array_split(np.arange(len(groups)), min(n, len(groups)))
+    out = []
+    for part in parts:
+        chosen = {groups[i] for i in part}
+        out.append(np.array([i for i, g in enumerate(group_index) if int(g) in chosen], dtype=np.int64))
+    return out
+
+
+def dp_share(rows: np.ndarray, lengths: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
+    """This DP rank's rows: longest first to the least-loaded rank (balanced token counts)."""
+    load = [0] * dp
+    owner = {}
+    for r in sorted(rows.tolist(), key=lambda r: (-int(lengths[r]), r)):
+        k = min(range(dp), key=lambda j: (load[j], j))
+        owner[r] = k
+        load[k] += int(lengths[r])
+    return np.array([r for r in rows.tolist() if owner[r] == dp_rank], dtype=np.int64)
+
+
+def pack_rows(rows: np.ndarray, lengths: np.ndarray, budget_tokens: int) -> list[np.ndarray]:
+    """Group rows into micro-batches whose padded size `len(rows) * max_len` stays within
+    `budget_tokens` (a single row longer than the budget gets a micro-batch of its own)."""
+    order = sorted(rows.tolist(), key=lambda r: (-int(lengths[r]), r))
+    out: list[list[int]] = []
+    for r in order:
+        if out and (len(out[-1]) + 1) * int(lengths[out[-1][0]]) <= budget_tokens:
+            out[-1].append(r)  # rows are sorted longest first, so the first row sets the width
+        else:
+            out.append([r])
+    return [np.array(mb, dtype=np.int64) for mb in out]
+
+
+def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, live: bool = True) -> dict:
+    """Tensors of one micro-batch, trimmed to its longest row. `live=False` zeroes the loss mask
+    (a placeholder micro-batch for a DP rank that got no rows, so collectives still line up)."""
+    width = int(batch.lengths[rows].max())
+    t = lambda a, dt: torch.as_tensor(np.ascontiguousarray(a[rows][:, :width]), dtype=dt, device=device)  # noqa: E731
+    mask = t(batch.loss_mask, torch.float32)
+    mb = {
+        "rows": rows,
+        "live": live,
+        "tokens": t(batch.tokens, torch.long),
+        "loss_mask": mask if live else torch.zeros_like(mask),
+        "behav_logprobs": t(batch.behav_logprobs, torch.float32),
+        "advantages": torch.as_tensor(batch.advantages[rows], dtype=torch.float32, device=device),
+        "versions": torch.as_tensor(batch.versions[rows], dtype=torch.long, device=device),
+    }
+    if batch.prox_logprobs is not None:
+        mb["prox_logprobs"] = t(batch.prox_logprobs, torch.float32)
+    return mb
+
+
+def rank_micro_batches(batch: TrainBatch, rows: np.ndarray, budget_tokens: int, dp: int, dp_rank: int,
+                       device: torch.device) -> list[dict]:
+    """This DP rank's micro-batches of the given rows (at least one, possibly a placeholder)."""
+    mine = dp_share(rows, batch.lengths, dp, dp_rank)
+    if len(mine) == 0:
+        return [micro_batch(batch, rows[:1], device, live=False)]
+    return [micro_batch(batch, mb, device) for mb in pack_rows(mine, batch.lengths, budget_tokens)]

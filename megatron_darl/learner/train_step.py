@@ -1,0 +1,195 @@
+"""The RL train step: DDP wrapping, Megatron optimizer and LR schedule, policy-loss heads, minibatch loop.
+
+What it is: `setup_training` wraps the model chunks in Megatron DDP and builds the Megatron
+optimizer (`get_megatron_optimizer`; distributed optimizer on GPU) and `OptimizerParamScheduler`;
+`train_step` runs `ppo_n_minibatches` optimizer steps over a TrainBatch. Each minibatch is cut
+into token-budget micro-batches (`packing.py`) whose losses are normalised by the minibatch's
+whole-token count (or per-version counts for D-ARL), so gradient accumulation gives exactly the
+gradient of one big batch, whatever the packing, DP size or pipeline schedule.
+What it is not: the loss maths (in `megatron_darl.algo`) or the recompute of proximal log-probs
+(in `megatron_learner.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_darl import algo
+from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, OptimConfig
+from megatron_darl.learner.collectives import all_gather_json, broadcast_json
+from megatron_darl.learner.logprobs import run_schedule
+from megatron_darl.learner.packing import rank_micro_batches, split_minibatches
+from megatron_darl.types import TrainBatch
+
+# dense bf16 peak FLOP/s per GPU for MFU (by substring of torch.cuda.get_device_name)
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12}
+
+
+def setup_training(chunks: list, optim: OptimConfig, pg, *, on_gpu: bool):
+    """(ddp_chunks, optimizer, scheduler) for this rank's chunks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    use_dist = on_gpu if optim.distributed_optimizer is None else optim.distributed_optimizer
+    if use_dist and not on_gpu:
+        raise ValueError("optim.distributed_optimizer=true needs CUDA (Megatron's distributed optimizer)")
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=use_dist)
+    ddp = [DistributedDataParallel(c.config, ddp_cfg, c, pg_collection=pg) for c in chunks]
+    config = chunks[0].config
+    # losses are already normalised by the whole batch: finalize must not divide by token counts
+    config.finalize_model_grads_func = lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        # 0 disables clipping; an infinite bound still computes (and reports) the grad norm
+        clip_grad=optim.grad_clip if optim.grad_clip > 0 else float("inf"),
+        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=use_dist,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, ddp, use_gloo_process_groups=False, pg_collection=pg)
+    warmup = optim.lr_warmup_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=warmup + (optim.lr_decay_steps or 1),
+        lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant",
+    )
+    return ddp, optimizer, scheduler
+
+
+def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.ndarray,
+                        beta: dict[int, float] | None, pmis: str = "ess") -> tuple[dict, dict]:
+    """Whole-minibatch quantities every micro-batch loss needs, and their metrics (once).
+    `pmis` (ess | tokens) computes D-ARL's beta_k when the caller passes no `beta`."""
+    t = lambda a: torch.as_tensor(np.asarray(a)[rows], dtype=torch.float32)  # noqa: E731
+    mask = t(batch.loss_mask) > 0
+    consts = {"den": max(float(mask.sum()), 1.0)}
+    metrics: dict[str, float] = {}
+    if algo_cfg.policy_loss == "darl":
+        versions = torch.as_tensor(batch.versions[rows])
+        if beta is None:
+            beta, counts, m = algo.pmis_batch_constants(
+                t(batch.prox_logprobs), t(batch.behav_logprobs), mask, versions,
+                **_is_kwargs(algo_cfg), pmis=pmis)
+            metrics.update({k: float(v) for k, v in m.items()})
+        else:
+            counts = algo.version_token_counts(versions, mask)
+        consts.update(beta={int(k): float(v) for k, v in beta.items()}, counts=counts, pmis=pmis)
+    elif algo_cfg.policy_loss == "ppo" and algo_cfg.rollout_is is not None:
+        _, m = algo.rollout_is_weights(t(batch.prox_logprobs), t(batch.behav_logprobs), mask,
+                                       level=algo_cfg.rollout_is, **_weight_kwargs(algo_cfg))
+        metrics.update({k: float(v) for k, v in m.items()})
+    return consts, metrics
+
+
+def _weight_kwargs(a: AlgorithmConfig) -> dict:
+    return dict(mode=a.rollout_is_mode, threshold=a.rollout_is_threshold,
+                threshold_lower=a.rollout_is_threshold_lower, veto_threshold=a.rollout_is_veto_threshold)
+
+
+def _is_kwargs(a: AlgorithmConfig) -> dict:
+    return dict(is_level=a.rollout_is or "token", is_mode=a.rollout_is_mode, is_threshold=a.rollout_is_threshold,
+                is_threshold_lower=a.rollout_is_threshold_lower, is_veto_threshold=a.rollout_is_veto_threshold)
+
+
+def _behav_clip(a: AlgorithmConfig) -> dict:
+    return {"behav_clip": "mask", "behav_mask_threshold": a.behav_clip} if a.behav_clip else {}
+
+
+def policy_loss(a: AlgorithmConfig, consts: dict, mb: dict, logp: torch.Tensor, entropy: torch.Tensor):
+    """The configured algo/ loss of one micro-batch, normalised over the whole minibatch."""
+    mask = mb["loss_mask"] > 0
+    behav, prox, adv = mb["behav_logprobs"], mb.get("prox_logprobs"), mb["advantages"]
+    den = consts["den"]
+    common = dict(clip_low=a.clip_low, clip_high=a.clip_high, ratio_level=a.ratio_level)
+    if a.policy_loss == "ppo":
+        old = prox if a.old_logprob == "proximal" else behav
+        w = None
+        if a.rollout_is is not None:
+            w, _ = algo.rollout_is_weights(prox, behav, mask, level=a.rollout_is, **_weight_kwargs(a))
+        loss, m = algo.ppo_loss(logp, old, adv, mask, token_weights=w, loss_denominator=den, **common)
+    elif a.policy_loss == "decoupled":
+        loss, m = algo.decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=a.behav_weight_cap,
+                                          loss_denominator=den, **common, **_behav_clip(a))
+    elif a.policy_loss == "darl":
+        loss, m = algo.darl_policy_loss(logp, prox, behav, adv, mask, mb["versions"], **_is_kwargs(a),
+                                        pmis=consts["pmis"], beta=consts["beta"], version_token_counts=consts["counts"],
+                                        **common, **_behav_clip(a))
+    elif a.policy_loss == "sg_weight":
+        loss, m = algo.sg_policy_loss(logp, behav, adv, mask, threshold=a.rollout_is_threshold, loss_denominator=den)
+    else:
+        raise ValueError(f"algorithm.policy_loss={a.policy_loss!r}; allowed: ppo, decoupled, darl, sg_weight")
+    ent = torch.where(mask, entropy, torch.zeros_like(entropy)).sum() / den
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * ent
+    metrics = {k: v.detach() for k, v in m.items()}
+    metrics.update({"train/loss": loss.detach(), "train/entropy": ent.detach()})
+    return loss, metrics
+
+
+def _sum_metrics(dicts: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def reduce_head_metrics(outs: list[dict], pg, device) -> dict[str, float]:
+    """Sum the micro-batch metrics over micro-batches and DP ranks (they are all normalised by
+    the whole minibatch), then hand the last pipeline stage's result to every stage."""
+    local = _sum_metrics(outs)
+    summed = _sum_metrics(all_gather_json(local, pg.dp, device))
+    last = dist.get_global_rank(pg.pp, pg.pp.size() - 1)
+    return broadcast_json(summed, last, pg.pp, device)
+
+
+def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmConfig, lc: LearnerConfig, *,
+               pg, device, temperature: float, vocab_size: int, beta: dict[int, float] | None = None,
+               pmis: str = "ess", num_params: int = 0) -> dict[str, float]:
+    """`ppo_n_minibatches` optimizer steps over `batch`; metrics averaged over the steps."""
+    if a.uses_proximal and batch.prox_logprobs is None:
+        raise ValueError(f"policy_loss={a.policy_loss} old_logprob={a.old_logprob} needs batch.prox_logprobs")
+    start = time.perf_counter()
+    per_step: list[dict[str, float]] = []
+    dp, dp_rank = pg.dp.size(), pg.dp.rank()
+    for rows in split_minibatches(batch.group_index, a.ppo_n_minibatches):
+        consts, metrics = minibatch_constants(a, batch, rows, beta, pmis)
+        mbs = rank_micro_batches(batch, rows, lc.micro_batch_tokens, dp, dp_rank, device)
+        for chunk in ddp:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        outs = run_schedule(ddp, mbs, forward_only=False, temperature=temperature, vocab_size=vocab_size,
+                            pg=pg, head=partial(policy_loss, a, consts))
+        scheduler.step(increment=1)  # optimizer step i (1-based) runs at the schedule's lr(i)
+        lr = float(optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = optimizer.step()
+        metrics.update(reduce_head_metrics(outs, pg, device))
+        metrics.update({"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok),
+                        "train/lr": lr})
+        per_step.append(metrics)
+    elapsed = time.perf_counter() - start
+    out = {k: float(np.mean([m[k] for m in per_step if k in m])) for k in dict.fromkeys(k for m in per_step for k in m)}
+    out["train/clip_frac"] = out.get("algo/clip_frac", 0.0)
+    out["train/lr"] = per_step[-1]["train/lr"]
+    out["train/optimizer_steps"] = float(len(per_step))
+    tokens = float(batch.lengths.sum())
+    out["perf/tokens_per_s"] = tokens * len(per_step) / elapsed
+    out["perf/train_step_s"] = elapsed
+    if device.type == "cuda" and num_params:
+        out.update(_mfu(num_params, tokens * len(per_step), elapsed, dist.get_world_size()))
+    return out
+
+
+def _mfu(num_params: int, tokens: float, seconds: float, gpus: int) -> dict[str, float]:
+    """Model FLOPs utilisation with the 6 N FLOPs-per-token estimate (attention FLOPs left out)."""
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+    if peak is None:
+        return {}
+    return {"perf/mfu": 6.0 * num_params * tokens / seconds / (peak * gpus)}

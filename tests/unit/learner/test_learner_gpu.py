@@ -1,0 +1,78 @@
+"""GPU-only learner paths: Transformer Engine spec, FP8 recipes, distributed optimizer, NCCL.
+
+Each test runs a one-rank learner on CUDA (NCCL backend) in a subprocess of `learner_worker`;
+they skip without a GPU (and the TE ones without transformer_engine)."""
+
+import pytest
+import torch
+
+import learner_worker as W
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _have_te() -> bool:
+    from megatron_darl.learner.model import have_te
+
+    return have_te()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return W.tiny_qwen3(str(tmp_path_factory.mktemp("gpu") / "hf"))
+
+
+def test_local_spec_bf16_distributed_optimizer_trains(hf_dir, tmp_path):
+    out = W.launch("gpu", {"hf_dir": hf_dir, "spec": "local", "fp8": None, "dtype": "bf16",
+                           "ckpt": str(tmp_path / "ckpt")}, 1, str(tmp_path))
+    assert out["distributed_optimizer"] and out["losses"][-1] < out["losses"][0]
+    assert out["resume_diff"] < 1e-5  # save/load of the sharded distributed-optimizer state
+    assert 0 < out["mfu"] < 1
+    assert out["max_logprob_diff_vs_fp32_reference"] < 0.1  # bf16 forward near the fp32 HF model
+
+
+@pytest.mark.skipif(not _have_te(), reason="needs transformer_engine")
+def test_te_spec_matches_hf_and_trains(hf_dir, tmp_path):
+    out = W.launch("gpu", {"hf_dir": hf_dir, "spec": "te", "fp8": None, "dtype": "fp32",
+                           "ckpt": str(tmp_path / "ckpt")}, 1, str(tmp_path))
+    assert out["max_logprob_diff_vs_fp32_reference"] < 1e-3
+    assert out["losses"][-1] < out["losses"][0]
+
+
+@pytest.mark.skipif(not _have_te(), reason="needs transformer_engine")
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_recipes_run(hf_dir, tmp_path, recipe):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    out = W.launch("gpu", {"hf_dir": hf_dir, "spec": "te", "fp8": recipe, "dtype": "bf16",
+                           "ckpt": str(tmp_path / "ckpt")}, 1, str(tmp_path))
+    assert all(abs(x) < 1e3 for x in out["losses"]) and out["fp8_recipe"] == recipe
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL forbids two ranks on one GPU)")
+def test_nccl_weight_broadcast_reaches_a_receiver(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    receiver = subprocess.Popen([sys.executable, "-c", f"""
+import torch, torch.distributed as dist
+from megatron_darl.learner.weights import init_custom_group
+torch.cuda.set_device(1)
+g = init_custom_group("127.0.0.1", {port}, 2, "darl_weights", rank=1)
+t = torch.empty(3, 5, device="cuda")
+dist.broadcast(t, group=g, group_src=0)
+assert torch.equal(t.cpu(), torch.arange(15.0).reshape(3, 5)), t
+"""], env=dict(__import__("os").environ, PYTHONPATH=W.REPO))
+    from megatron_darl.learner.weights import NcclWeightBroadcaster
+
+    torch.cuda.set_device(0)
+    sender = NcclWeightBroadcaster("127.0.0.1", port, 2)
+    bucket = [("model.norm.weight", torch.arange(15.0).reshape(3, 5))]
+    assert NcclWeightBroadcaster.describe(bucket) == {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                      "shapes": [[3, 5]]}
+    sender.send(bucket)
+    assert receiver.wait(timeout=120) == 0
