@@ -1,0 +1,151 @@
+"""Learner <-> rollout-manager signalling through two small atomic JSON files on the node.
+
+What it is: the *notice* (learner -> manager): the latest published `WeightVersion`, a stop flag
+and an optional request to save the manager's state to a path; and the *status* (manager ->
+learner): the version every live engine serves, the groups written so far and the path of the
+last state saved on request. Each file is written whole to a temporary file in the same folder
+and renamed over the old one (`os.replace` is atomic on POSIX), so a reader sees either the old
+or the new content, never a torn write. Readers poll; both sides tolerate a missing file.
+What it is not: the weights themselves (they travel by disk, shared memory or NCCL as the
+`WeightVersion` says) nor the trajectories (they go through the shared-memory ring buffer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_darl.types import WeightVersion
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write `obj` as JSON to `path` via temp file + fsync + rename (readers never see a torn file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, separators=(",", ":"), sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: str) -> Any | None:
+    """The JSON content of `path`, or None when the file does not exist (yet)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        # cannot be a torn write (we rename whole files): someone else wrote this file
+        raise ValueError(f"{path}: not a valid JSON notice ({exc})") from None
+
+
+def weight_version_from_json(d: dict[str, Any], where: str) -> WeightVersion:
+    try:
+        return WeightVersion(
+            version=int(d["version"]), kind=str(d["kind"]), location=str(d["location"]),
+            num_bytes=int(d.get("num_bytes", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: bad weight version {d!r} (needs version, kind, location): {exc}") from None
+
+
+@dataclass(frozen=True)
+class WeightNotice:
+    """What the learner tells the manager. `state_request`: a path where the manager should
+    write its `state_dict()` (for a checkpoint); a new path means a new request."""
+
+    weights: WeightVersion | None = None
+    stop: bool = False
+    state_request: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "weights": asdict(self.weights) if self.weights is not None else None,
+            "stop": self.stop,
+            "state_request": self.state_request,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "WeightNotice":
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a weight notice must be a JSON object, got {type(d).__name__}")
+        w = d.get("weights")
+        return cls(
+            weights=weight_version_from_json(w, where) if w is not None else None,
+            stop=bool(d.get("stop", False)),
+            state_request=d.get("state_request"),
+        )
+
+
+def publish_notice(path: str, notice: WeightNotice) -> None:
+    """Learner side: replace the notice at `path` (atomic)."""
+    write_json_atomic(path, notice.to_json())
+
+
+def read_notice(path: str) -> WeightNotice | None:
+    d = read_json(path)
+    return None if d is None else WeightNotice.from_json(d, path)
+
+
+class NoticePoller:
+    """Manager side: `poll()` returns the notice when its content changed since the last poll."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._last: WeightNotice | None = None
+
+    def poll(self) -> WeightNotice | None:
+        notice = read_notice(self.path)
+        if notice is None or notice == self._last:
+            return None
+        self._last = notice
+        return notice
+
+
+@dataclass(frozen=True)
+class RolloutStatus:
+    """What the manager tells the learner. `version`: the weight version every live engine has
+    loaded (the learner may delete older published weights once it moved past them)."""
+
+    version: int
+    groups_written: int = 0
+    groups_filtered: int = 0
+    state_path: str | None = None  # the last state_request the manager answered
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "RolloutStatus":
+        if not isinstance(d, dict) or "version" not in d:
+            raise ValueError(f"{where}: a rollout status must be a JSON object with 'version'")
+        return cls(
+            version=int(d["version"]),
+            groups_written=int(d.get("groups_written", 0)),
+            groups_filtered=int(d.get("groups_filtered", 0)),
+            state_path=d.get("state_path"),
+            metrics={str(k): float(v) for k, v in (d.get("metrics") or {}).items()},
+        )
+
+
+def write_status(path: str, status: RolloutStatus) -> None:
+    write_json_atomic(path, status.to_json())
+
+
+def read_status(path: str) -> RolloutStatus | None:
+    d = read_json(path)
+    return None if d is None else RolloutStatus.from_json(d, path)

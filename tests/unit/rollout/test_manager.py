@@ -1,0 +1,489 @@
+"""Rollout manager against in-process fakes: uid accounting under engine kill and hang, partial
+rollouts across versions, the staleness gate, the DAPO filter, the state round trip, notices."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from megatron_darl.replay.staleness import StalenessGate
+from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, RolloutConfig
+from megatron_darl.rollout.manager import RolloutManager
+from megatron_darl.rollout.weight_notice import WeightNotice, publish_notice, read_json, read_status
+from megatron_darl.rollout.workflow import Episode, GroupWorkflow
+from megatron_darl.types import WeightVersion
+
+EOS = 0
+VOCAB = 97
+
+
+def fake_token(seed: int | None, pos: int) -> int:
+    """Deterministic 'sampling': a hash of (seed, absolute position), never EOS unless pos says."""
+    return 1 + ((seed or 0) * 31 + pos * 17 + pos * pos) % (VOCAB - 1)
+
+
+class FakeEngine:
+    """RolloutEngine fake: one token per `step_s`, tokens tagged with the loaded version,
+    abort/in_place pause semantics like SGLang, and switches to die or hang."""
+
+    def __init__(self, url: str, step_s: float = 0.002, version: int = 0) -> None:
+        self.url, self.step_s, self.version = url, step_s, version
+        self.paused, self.mode = False, "abort"
+        self.dead = self.hang = False
+        self.active = 0
+        self.max_active = 0
+        self.requests: list[GenerateRequest] = []
+        self.updates: list[int] = []
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def _astep(self) -> None:
+        await asyncio.sleep(self.step_s)
+        if self.dead:
+            raise ConnectionError(f"{self.url}: connection refused")
+        if self.hang:
+            await asyncio.sleep(3600)
+
+    async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
+        if self.dead:
+            raise ConnectionError(f"{self.url}: connection refused")
+        self.requests.append(req)
+        await self._resumed.wait()  # a paused engine parks new requests
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self._idle.clear()
+        ids, lps, vers, reason = [], [], [], "length"
+        try:
+            for _ in range(req.sampling.max_new_tokens):
+                await self._astep()
+                if self.paused and self.mode == "abort":
+                    reason = "abort"
+                    break
+                await self._resumed.wait()  # in_place: frozen, continues under new weights
+                tok = fake_token(req.sampling.seed, len(req.input_ids) + len(ids))
+                ids.append(tok)
+                lps.append(-0.01 * tok)
+                vers.append(self.version)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+        return GenerateResponse(req.rid, ids, lps, vers, reason, self.version)
+
+    async def apause(self, mode: str = "abort") -> None:
+        if self.dead:
+            raise ConnectionError(f"{self.url}: connection refused")
+        self.paused, self.mode = True, mode
+        self._resumed.clear()
+        if mode == "abort":
+            await self._idle.wait()  # like SGLang: returns once in-flight requests were aborted
+
+    async def aresume(self) -> None:
+        if self.dead:
+            raise ConnectionError(f"{self.url}: connection refused")
+        self.paused = False
+        self._resumed.set()
+
+    async def aupdate_weights(self, weights: WeightVersion) -> None:
+        if self.dead:
+            raise ConnectionError(f"{self.url}: connection refused")
+        self.version = weights.version
+        self.updates.append(weights.version)
+
+    async def ahealth(self) -> bool:
+        return not self.dead and not self.hang
+
+
+@dataclass
+class FakePrompt:
+    uid: int
+    input_ids: list[int]
+    task: str = "math"
+    answer: dict = field(default_factory=dict)
+
+
+class ListPrompts:
+    def __init__(self, n: int, start: int = 100) -> None:
+        self.prompts = [FakePrompt(start + i, [5, 6, 7 + i % 4]) for i in range(n)]
+        self.pos = 0
+
+    def next_batch(self, n: int) -> list[FakePrompt]:
+        out = self.prompts[self.pos : self.pos + n]
+        self.pos += len(out)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = int(state["pos"])
+
+
+class ParityScorer:
+    """Reward = last token parity; uids divisible by `equal_every` get all-equal rewards."""
+
+    def __init__(self, equal_every: int = 0, fail_once: set[int] | None = None) -> None:
+        self.equal_every, self.fail_once = equal_every, set(fail_once or ())
+
+    async def ascore(self, episode: Episode) -> list[float]:
+        if episode.uid in self.fail_once:
+            self.fail_once.discard(episode.uid)
+            raise RuntimeError(f"grader crashed on {episode.uid}")
+        if self.equal_every and episode.uid % self.equal_every == 0:
+            return [1.0] * len(episode.samples)
+        return [float(i % 2) for i in range(len(episode.samples))]
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.groups: list[list] = []
+
+    async def aput_group(self, trajectories: list) -> None:
+        self.groups.append(trajectories)
+
+    @property
+    def uids(self) -> list[int]:
+        return [g[0].group_id for g in self.groups]
+
+
+def make(n_prompts: int = 12, n_engines: int = 2, step_s: float = 0.002, gate=None, scorer=None, **cfg_kw):
+    kw = dict(group_size=4, max_new_tokens=8, max_concurrent_per_engine=4, request_timeout_s=5.0)
+    kw.update(cfg_kw)
+    cfg = RolloutConfig(**kw)
+    engines = [FakeEngine(f"fake://{i}", step_s) for i in range(n_engines)]
+    prompts, sink = ListPrompts(n_prompts), ListSink()
+    wf = GroupWorkflow(cfg, scorer or ParityScorer(), seed=7)
+    return cfg, engines, prompts, sink, wf
+
+
+def check_groups(sink: ListSink, cfg: RolloutConfig) -> None:
+    for g in sink.groups:
+        assert len(g) == cfg.group_size and len({t.group_id for t in g}) == 1
+        for t in g:
+            assert t.prompt_id == t.group_id
+            assert len(t.response_ids) == cfg.max_new_tokens and t.finish_reason == "length"
+
+
+@pytest.mark.timeout(60)
+def test_all_prompts_once_tokens_exact_and_load_spread():
+    cfg, engines, prompts, sink, wf = make(n_prompts=12, n_engines=3)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, health_interval_s=0.05)
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    check_groups(sink, cfg)
+    for g in sink.groups:  # uninterrupted: one request per sample, tokens as the engine sampled them
+        for i, t in enumerate(g):
+            seed = wf.new_episode(FakePrompt(t.prompt_id, list(t.prompt_ids))).samples[i].seed
+            want = [fake_token(seed, len(t.prompt_ids) + k) for k in range(cfg.max_new_tokens)]
+            assert t.response_ids.tolist() == want
+            assert (t.behav_versions == 0).all()
+            assert t.behav_logprobs.tolist() == pytest.approx([-0.01 * x for x in want])
+    assert all(e.requests for e in engines), "least-loaded dispatch should use every engine"
+    assert max(e.max_active for e in engines) <= cfg.max_concurrent_per_engine
+    assert m["rollout/groups_written"] == 12 and m["rollout/samples_written"] == 48
+    assert m["rollout/tokens_generated"] == 48 * cfg.max_new_tokens
+    assert m["perf/samples_per_s"] > 0 and 0 <= m["perf/engine_idle_frac"] <= 1
+
+
+@pytest.mark.timeout(60)
+def test_partial_rollout_spans_two_versions_and_continues_from_partial():
+    cfg, engines, prompts, sink, wf = make(n_prompts=4, n_engines=2, step_s=0.01, max_new_tokens=20)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+        await mgr.astart()
+        await asyncio.sleep(0.08)  # some tokens under version 0
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr
+
+    mgr = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    check_groups(sink, cfg)
+    trajs = [t for g in sink.groups for t in g]
+    mixed = [t for t in trajs if set(t.behav_versions.tolist()) == {0, 1}]
+    assert mixed, "a sample interrupted by the update must carry tokens of both versions"
+    for t in mixed:  # old tokens first, then the new version; several requests contributed
+        v = t.behav_versions.tolist()
+        assert v == sorted(v) and t.metadata["segments"] >= 2
+    conts = [r for e in engines for r in e.requests if r.sampling.max_new_tokens < cfg.max_new_tokens]
+    assert conts
+    for r in conts:  # continuation = prompt + partial response, remaining budget
+        assert len(r.input_ids) - 3 + r.sampling.max_new_tokens == cfg.max_new_tokens
+        assert r.input_ids[:2] == [5, 6]
+    assert all(e.updates == [1] for e in engines) and mgr.version == 1
+    m = mgr.metrics()
+    assert m["rollout/aborted_requests"] >= 1 and m["rollout/weight_updates"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_no_partial_rollout_restarts_under_new_weights():
+    cfg, engines, prompts, sink, wf = make(n_prompts=4, step_s=0.01, max_new_tokens=20, partial_rollout=False)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+        await mgr.astart()
+        await asyncio.sleep(0.08)
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    check_groups(sink, cfg)
+    trajs = [t for g in sink.groups for t in g]
+    assert all(len(set(t.behav_versions.tolist())) == 1 for t in trajs)
+    restarted = [t for t in trajs if t.metadata["restarts"] > 0]
+    assert restarted and all((t.behav_versions == 1).all() for t in restarted)
+    assert m["rollout/restarted_samples"] == len(restarted)
+
+
+@pytest.mark.timeout(60)
+def test_in_place_pause_keeps_requests_on_engine():
+    cfg, engines, prompts, sink, wf = make(n_prompts=2, step_s=0.01, max_new_tokens=20, pause_mode="in_place")
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+        await mgr.astart()
+        await asyncio.sleep(0.08)
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    trajs = [t for g in sink.groups for t in g]
+    assert m["rollout/aborted_requests"] == 0
+    assert any(set(t.behav_versions.tolist()) == {0, 1} and t.metadata["segments"] == 1 for t in trajs)
+
+
+def test_partial_rollout_false_needs_abort_mode():
+    cfg, engines, prompts, sink, wf = make(partial_rollout=False, pause_mode="retract")
+    with pytest.raises(ValueError, match="pause_mode=abort"):
+        RolloutManager(cfg, engines, prompts, wf, sink)
+
+
+class Restarter:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.new: list[FakeEngine] = []
+
+    async def arestart(self, index, engine):
+        self.calls.append(index)
+        fresh = FakeEngine(engine.url, engine.step_s)  # a new process: initial weights (version 0)
+        self.new.append(fresh)
+        return fresh
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["kill", "hang"])
+def test_engine_failure_requeues_restarts_and_loses_nothing(failure):
+    cfg, engines, prompts, sink, wf = make(n_prompts=40, n_engines=3, step_s=0.004, max_new_tokens=10,
+                                            request_timeout_s=0.3)
+    restarter = Restarter()
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, restarter=restarter,
+                             health_interval_s=0.05, restart_grace_s=0.5)
+        await mgr.astart()
+        await asyncio.sleep(0.03)
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))
+        for _ in range(200):  # the victim must have work in flight when it fails
+            await asyncio.sleep(0.002)
+            if engines[1].active > 0:
+                break
+        assert engines[1].active > 0
+        setattr(engines[1], "dead" if failure == "kill" else "hang", True)
+        for _ in range(400):  # down, restarted, weights pushed, back in service
+            await asyncio.sleep(0.01)
+            if mgr.metrics()["rollout/engine_recoveries"] >= 1:
+                break
+        await asyncio.wait_for(mgr.arun(), 40)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]  # every uid exactly once
+    check_groups(sink, cfg)
+    assert m["rollout/engine_failures"] >= 1 and m["rollout/requeued_requests"] >= 1
+    assert restarter.calls and restarter.calls[0] == 1
+    # the replacement came back with the current weights before taking requests
+    assert restarter.new[0].updates == [1]
+    assert all(r.input_ids for r in restarter.new[0].requests)
+    assert all((t.behav_versions <= 1).all() for g in sink.groups for t in g)
+
+
+@pytest.mark.timeout(60)
+def test_engine_without_restarter_comes_back_via_health():
+    cfg, engines, prompts, sink, wf = make(n_prompts=10, n_engines=2, step_s=0.004, request_timeout_s=0.5)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, health_interval_s=0.05)
+        await mgr.astart()
+        await asyncio.sleep(0.02)
+        engines[0].dead = True
+        await mgr.await_groups(3)
+        assert mgr.metrics()["rollout/engines_up"] == 1
+        engines[0].dead = False  # e.g. an SGLang server that recovered
+        n_before = len(engines[0].requests)
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics(), n_before
+
+    m, n_before = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert m["rollout/engine_recoveries"] >= 1 and m["rollout/engines_up"] == 2
+    assert len(engines[0].requests) > n_before, "the recovered engine takes requests again"
+
+
+@pytest.mark.timeout(60)
+def test_staleness_gate_bounds_generation_ahead_of_training():
+    eta, batch = 1, 2
+    gate = StalenessGate(eta, batch)
+    cfg, engines, prompts, sink, wf = make(n_prompts=30)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, gate=gate)
+        await mgr.astart()
+        peak = 0
+        for _ in range(40):  # version 0: at most (eta + 1) * batch groups may ever start
+            await asyncio.sleep(0.01)
+            peak = max(peak, gate.accepted + gate.running)
+        assert peak == (eta + 1) * batch and len(sink.groups) == (eta + 1) * batch
+        assert prompts.pos == (eta + 1) * batch, "no prompt is drawn before the gate admits it"
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))
+        await mgr.await_groups((eta + 2) * batch)
+        await asyncio.sleep(0.1)
+        assert len(sink.groups) == (eta + 2) * batch
+        await mgr.astop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_dapo_filter_counts_and_frees_gate():
+    gate = StalenessGate(0, 100)
+    cfg, engines, prompts, sink, wf = make(n_prompts=12, filter_equal_rewards=True, gate=gate,
+                                            scorer=ParityScorer(equal_every=3))
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, gate=gate)
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    filtered = [p.uid for p in prompts.prompts if p.uid % 3 == 0]
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts if p.uid % 3 != 0]
+    assert m["rollout/filtered_groups"] == len(filtered) == 4
+    assert gate.accepted == 8 and gate.rejected == 4 and gate.running == 0
+
+
+@pytest.mark.timeout(60)
+def test_scorer_failure_reruns_group_once():
+    cfg, engines, prompts, sink, wf = make(n_prompts=6, scorer=ParityScorer(fail_once={101, 104}))
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert m["rollout/episode_retries"] == 2
+    reqs = sum(len(e.requests) for e in engines)
+    assert reqs == 6 * cfg.group_size, "a re-scored group does not generate again"
+
+
+@pytest.mark.timeout(60)
+def test_state_round_trip_resumes_partials_and_loses_nothing():
+    cfg, engines, prompts, sink, wf = make(n_prompts=10, step_s=0.01, max_new_tokens=30)
+
+    async def first():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+        await mgr.astart()
+        await mgr.await_groups(2)
+        await asyncio.sleep(0.05)  # the next groups are part-way
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))  # abort: partials kept
+        await asyncio.sleep(0.03)  # continuations under version 1 are running
+        await mgr.astop()
+        return json.loads(json.dumps(mgr.state_dict()))  # must survive JSON
+
+    state = asyncio.run(first())
+    partial = {e["uid"]: [s["output_ids"] for s in e["samples"]] for e in state["episodes"]}
+    assert state["episodes"] and any(any(p) for p in partial.values()), "partial tokens are in the state"
+    assert state["version"] == 1 and state["loader"]["pos"] == len(sink.groups) + len(state["episodes"])
+
+    cfg2, engines2, prompts2, sink2, wf2 = make(n_prompts=10, step_s=0.002, max_new_tokens=30)
+
+    async def second():
+        mgr = RolloutManager(cfg2, engines2, prompts2, wf2, sink2)
+        mgr.load_state_dict(state)
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr
+
+    mgr2 = asyncio.run(second())
+    assert all(e.updates == [1] for e in engines2), "restored weights are pushed to the engines"
+    assert sorted(sink.uids + sink2.uids) == [p.uid for p in prompts.prompts]
+    assert sink2.uids[: len(partial)] == list(partial), "in-flight prompts are re-run first"
+    for g in sink2.groups:
+        for i, t in enumerate(g):
+            prefix = partial.get(t.group_id, [[]] * cfg.group_size)[i]
+            assert t.response_ids.tolist()[: len(prefix)] == prefix
+            if prefix:
+                assert set(t.behav_versions[: len(prefix)].tolist()) <= {0, 1}
+    assert mgr2.metrics()["rollout/groups_written"] == 10
+
+
+@pytest.mark.timeout(60)
+def test_notice_file_drives_updates_state_requests_and_stop(tmp_path):
+    notice, status, saved = tmp_path / "notice.json", tmp_path / "status.json", tmp_path / "state.json"
+    cfg, engines, prompts, sink, wf = make(n_prompts=1000, step_s=0.003)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=str(notice),
+                             status_path=str(status), poll_interval_s=0.02)
+        run = asyncio.create_task(mgr.arun())
+        await asyncio.sleep(0.05)
+        publish_notice(str(notice), WeightNotice(WeightVersion(3, "disk", "/w/3")))
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            st = read_status(str(status))
+            if st is not None and st.version == 3:
+                break
+        assert all(e.version == 3 for e in engines)
+        publish_notice(str(notice), WeightNotice(WeightVersion(3, "disk", "/w/3"), state_request=str(saved)))
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if saved.exists():
+                break
+        publish_notice(str(notice), WeightNotice(WeightVersion(3, "disk", "/w/3"), stop=True))
+        await asyncio.wait_for(run, 10)
+        return mgr
+
+    mgr = asyncio.run(main())
+    st = read_status(str(status))
+    assert st.version == 3 and st.state_path == str(saved) and st.groups_written == len(sink.groups)
+    saved_state = read_json(str(saved))
+    assert saved_state["version"] == 3 and saved_state["format"] == 1
+    final = mgr.state_dict()  # stopped mid-run: every drawn uid is written or in the state
+    in_state = [e["uid"] for e in final["episodes"]]
+    assert sorted(sink.uids + in_state) == [p.uid for p in prompts.prompts[: prompts.pos]]
+
+
+@pytest.mark.timeout(60)
+def test_per_engine_cap_holds_with_more_work_than_slots():
+    cfg, engines, prompts, sink, wf = make(n_prompts=8, n_engines=2, max_concurrent_per_engine=3)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, max_inflight_groups=8)  # 32 samples, 6 slots
+        await asyncio.wait_for(mgr.arun(), 30)
+
+    asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert [e.max_active for e in engines] == [3, 3]
