@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_darl.replay.shm_ring import ShmRing
-from megatron_darl.rollout.manager import EmbeddedEngineRestarter
+from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter
 from megatron_darl.rollout.weight_notice import WeightNotice, publish_notice, read_json, read_status
 from megatron_darl.types import WeightVersion, group_trajectories
 

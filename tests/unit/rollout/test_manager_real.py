@@ -17,7 +17,8 @@ import pytest
 from megatron_darl.replay.shm_ring import ShmRing
 from megatron_darl.replay.staleness import StalenessGate
 from megatron_darl.rollout.api import RolloutConfig
-from megatron_darl.rollout.manager import EmbeddedEngineRestarter, RingSink, RolloutManager
+from megatron_darl.rollout.manager import RolloutManager
+from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter, RingSink
 from megatron_darl.rollout.workflow import Episode, GroupWorkflow
 from megatron_darl.types import WeightVersion, group_trajectories
 
