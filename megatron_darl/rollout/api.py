@@ -129,6 +129,9 @@ class RolloutConfig:
             errs.append(("temperature", "must be > 0 (behavior log-probs are taken under it)"))
         if not 0 < self.top_p <= 1:
             errs.append(("top_p", "must be in (0, 1]"))
+        if not self.partial_rollout and self.pause_mode != "abort":
+            errs.append(("partial_rollout", "false (restart interrupted samples) needs pause_mode=abort: "
+                         "retract/in_place keep requests on the engine, which continue them"))
         if self.num_engines < 1 and not self.engine_urls:
             errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
         return errs

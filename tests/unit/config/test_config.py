@@ -112,3 +112,8 @@ def test_gpu_recipe_prints_but_does_not_start_without_its_files(capsys):
     assert train_main(["--config", recipe]) == 1
     err = capsys.readouterr().err
     assert "data.source: file not found: /path/to/math/train.jsonl" in err and "model.hf_dir" in err
+
+
+def test_rollout_restart_without_abort_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout\.partial_rollout"):
+        load_config(None, MODEL + ["rollout.partial_rollout=false", "rollout.pause_mode=in_place"])
