@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_darl.learner.weights import replace_folder
+
 _META = "learner_meta.json"
 _EXTRA = "extra_state.pt"
 
@@ -90,12 +92,7 @@ def save(learner, ckpt_dir: str, extra_state: dict[str, Any]) -> None:
             json.dump(learner.hf_config, f, indent=1)
         with open(os.path.join(tmp, _META), "w") as f:
             json.dump({"step": learner.step, "layout_tp_pp_dp": _layout(learner)}, f)
-        old = f"{ckpt_dir}.old"
-        if os.path.exists(ckpt_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(ckpt_dir, old)
-        os.rename(tmp, ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, ckpt_dir)
     dist.barrier()
 
 

@@ -106,13 +106,18 @@ def save_hf_weights(chunks: list, adapter, ctx, out_dir: str, side_dirs: list[st
         config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        old = f"{out_dir.rstrip('/')}.old"
-        if os.path.exists(out_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, out_dir)
     dist.barrier()
+
+
+def replace_folder(tmp: str, dest: str) -> None:
+    """Put the finished folder `tmp` at `dest`; a reader sees the old or the new folder whole."""
+    old = f"{dest.rstrip('/')}.old"
+    if os.path.exists(dest):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class NcclWeightBroadcaster:

@@ -1,0 +1,145 @@
+"""K=1, selection off, `pmis=tokens` D-ARL is the decoupled (verl-style) objective, in the learner.
+
+The D-ARL side is the CPU demo recipe with those overrides, as `darl-train` hands it to the
+learner (`launch.runner.learner_pmis`: `replay.pmis_beta` sets the learner's beta_k). Through
+`MegatronLearner.train_step` (the learner's own loss dispatch, micro-batching and
+optimizer), the same batch and the same starting weights give the same `train/loss`, gradient
+norm and updated parameters for
+  - `policy_loss=darl, pmis=tokens` with token-level rollout IS truncated at 2, and
+  - `policy_loss=ppo, old_logprob=proximal, rollout_is=token, rollout_is_mode=truncate,
+    rollout_is_threshold=2` (verl's decoupled PPO).
+The batch mixes three behavior versions with perturbed behavior log-probs, so the per-version
+normalisation and the truncation both act (with one version the check would be weaker), and a
+third run with `pmis=ess` must differ: the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from sync_reference import free_port
+
+from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+from megatron_darl.types import TrainBatch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the D-ARL recipe with K=1, selection off, pmis_beta=tokens, token IS truncated at 2
+DARL_K1_TOKENS = ["replay.k=1", "replay.sg=false", "replay.pmis=true", "replay.pmis_beta=tokens",
+                  "algo.policy_loss=darl", "algo.rollout_is=token", "algo.rollout_is_mode=truncate",
+                  "algo.rollout_is_threshold=2.0", "algo.ppo_n_minibatches=2"]
+
+
+def loss_configs() -> tuple[AlgorithmConfig, str, AlgorithmConfig]:
+    """(D-ARL's loss config and beta_k rule as a run hands them to the learner, verl-style
+    decoupled PPO with the same other settings)."""
+    from megatron_darl.config import load_config
+    from megatron_darl.launch.runner import learner_pmis
+
+    cfg = load_config(os.path.join(REPO, "configs", "cpu_demo_darl.yaml"), DARL_K1_TOKENS)
+    darl, pmis = cfg.algo, learner_pmis(cfg)
+    assert darl.policy_loss == "darl" and pmis == "tokens"
+    decoupled = replace(darl, policy_loss="ppo", old_logprob="proximal", rollout_is="token",
+                        rollout_is_mode="truncate", rollout_is_threshold=2.0)
+    return darl, pmis, decoupled
+
+
+def make_batch(vocab: int, seed: int = 0) -> TrainBatch:
+    """6 groups x 4 responses; group g has behavior version g % 3 (a K=1 pool spans versions
+    only through staleness); prompt 5 tokens, responses 3..8 tokens."""
+    rng = np.random.default_rng(seed)
+    groups, g_size, prompt = 6, 4, 5
+    b = groups * g_size
+    resp = rng.integers(3, 9, size=b)
+    lengths = prompt + resp
+    width = int(lengths.max())
+    tokens = np.zeros((b, width), dtype=np.int64)
+    mask = np.zeros((b, width), dtype=np.float32)
+    tver = np.full((b, width), -1, dtype=np.int64)
+    versions = np.repeat(np.arange(groups) % 3, g_size).astype(np.int64)
+    for i in range(b):
+        tokens[i, : lengths[i]] = rng.integers(4, vocab, size=lengths[i])
+        mask[i, prompt: lengths[i]] = 1.0
+        tver[i, prompt: lengths[i]] = versions[i]
+    rewards = rng.integers(0, 2, size=b).astype(np.float32)
+    group_index = np.repeat(np.arange(groups), g_size)
+    adv = np.zeros(b, dtype=np.float32)
+    for g in range(groups):
+        r = rewards[group_index == g]
+        adv[group_index == g] = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 0 else rng.normal(size=g_size)
+    return TrainBatch(tokens=tokens, lengths=lengths.astype(np.int64), loss_mask=mask, advantages=adv,
+                      behav_logprobs=np.zeros((b, width), dtype=np.float32), token_versions=tver,
+                      versions=versions, group_index=group_index.astype(np.int64), rewards=rewards,
+                      prompt_ids=(1000 + group_index).astype(np.int64))
+
+
+def train_once(hf_dir: str, algo_cfg: AlgorithmConfig, batch: TrainBatch | None, pmis: str = "ess", seed: int = 3):
+    """A fresh learner from `hf_dir`: (metrics, parameters after the step, batch used)."""
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    learner = MegatronLearner(ModelConfig(hf_dir=hf_dir, init="hf", dtype="fp32", spec="local"), ParallelConfig(),
+                              OptimConfig(lr=1e-3, grad_clip=1.0), LearnerConfig(micro_batch_tokens=64),
+                              algo_cfg, temperature=1.0, seed=seed, pmis=pmis)
+    try:
+        if batch is None:
+            batch = make_batch(learner.vocab_size)
+            prox = learner.compute_logprobs(batch)
+            # behavior = proximal perturbed per version: staler versions drift more; some
+            # tokens then have weights above the cap 2 (truncated) and some far below
+            rng = np.random.default_rng(1)
+            noise = rng.normal(scale=0.25 * (1 + batch.versions[:, None]), size=prox.shape)
+            batch.behav_logprobs = ((prox + noise) * batch.loss_mask).astype(np.float32)
+        batch.prox_logprobs = learner.compute_logprobs(batch)
+        metrics = learner.train_step(batch)
+        params = {n: p.detach().clone() for c in learner.chunks for n, p in c.named_parameters()}
+        return metrics, params, batch
+    finally:
+        learner.close(keep_world=True)
+
+
+@pytest.mark.timeout(120)
+def test_darl_tokens_k1_equals_verl_decoupled(warm_model, monkeypatch):
+    import torch.distributed as dist
+
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    torch.set_num_threads(1)
+    try:
+        darl, pmis, decoupled = loss_configs()
+        m_dec, p_dec, batch = train_once(warm_model, decoupled, None)
+        w = np.exp(batch.prox_logprobs - batch.behav_logprobs)[batch.loss_mask > 0]
+        assert (w > 2).any() and (w < 0.5).any(), "the batch must exercise the truncation"
+        m_darl, p_darl, _ = train_once(warm_model, darl, batch, pmis=pmis)
+        m_ess, p_ess, _ = train_once(warm_model, darl, batch, pmis="ess")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    assert m_dec["train/grad_norm"] > 0
+    assert m_darl["train/loss"] == pytest.approx(m_dec["train/loss"], rel=1e-5, abs=1e-7)
+    assert m_darl["train/grad_norm"] == pytest.approx(m_dec["train/grad_norm"], rel=1e-5)
+    assert p_dec.keys() == p_darl.keys()
+    for name in p_dec:
+        torch.testing.assert_close(p_darl[name], p_dec[name], rtol=1e-5, atol=1e-6, msg=name)
+    # the check has teeth: inverse-variance beta_k weighs the versions differently
+    assert abs(m_ess["train/grad_norm"] - m_dec["train/grad_norm"]) > 1e-4 * m_dec["train/grad_norm"]
+
+
+def test_run_config_decides_the_learner_beta():
+    """`replay.pmis_beta` / `replay.pmis` reach the learner's loss; `balance` is refused by name."""
+    from megatron_darl.config import load_config
+    from megatron_darl.launch.runner import learner_pmis
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    demo = os.path.join(REPO, "configs", "cpu_demo_darl.yaml")
+    assert learner_pmis(load_config(demo, ["replay.pmis_beta=ess"])) == "ess"
+    assert learner_pmis(load_config(demo, ["replay.pmis_beta=tokens"])) == "tokens"
+    assert learner_pmis(load_config(demo, ["replay.pmis=false", "replay.pmis_beta=ess"])) == "tokens"
+    with pytest.raises(ValueError, match="balance"):
+        MegatronLearner(ModelConfig(hf_dir="unused"), ParallelConfig(), OptimConfig(), LearnerConfig(),
+                        AlgorithmConfig(), pmis="balance")
