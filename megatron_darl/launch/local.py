@@ -130,10 +130,11 @@ class Supervisor:
             time.sleep(poll_s)
 
     def shutdown(self) -> None:
-        """Stop every child (SIGTERM to its group, SIGKILL after the grace period), then clean up."""
+        """Stop every child (SIGINT to its group, SIGKILL after the grace period), then clean up.
+        SIGINT, not SIGTERM: learner ranks take SIGTERM as preemption and would checkpoint first."""
         live = [c for c in self.children if c.poll() is None]
         for c in live:
-            _signal_group(c.pid, signal.SIGTERM)
+            _signal_group(c.pid, signal.SIGINT)
         deadline = time.monotonic() + self.grace_s
         for c in live:
             try:

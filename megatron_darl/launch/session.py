@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import time
@@ -25,6 +27,32 @@ from megatron_darl.config import RunConfig
 from megatron_darl.launch.local import Supervisor
 from megatron_darl.launch.runner import PY, learner_env, new_run_id, run_paths, write_run_info
 from megatron_darl.resume import load_rollout_state, resolve_resume, rollout_sidecar
+
+
+STALE_RUN = re.compile(r"^darl-([0-9a-f]{10})-(ring|weights)$")
+
+
+def sweep_stale_runs(directory: str = "/dev/shm", min_age_s: float = 60.0) -> list[str]:
+    """Remove the shared memory of runs whose processes are all gone (a SIGKILLed launcher
+    cannot clean up after itself): a ring whose creator died, and weight folders of a run
+    whose ring is gone. Entries younger than `min_age_s` are left alone (a run starting now)."""
+    from megatron_darl.replay.shm_ring import remove_if_stale
+
+    if not os.path.isdir(directory):
+        return []
+    removed, now = [], time.time()
+    entries = sorted(os.listdir(directory), key=lambda n: not n.endswith("-ring"))  # rings first
+    for name in entries:
+        m = STALE_RUN.match(name)
+        path = os.path.join(directory, name)
+        if m is None or now - os.path.getmtime(path) < min_age_s:
+            continue
+        if m.group(2) == "ring" and remove_if_stale(path):
+            removed.append(path)
+        elif m.group(2) == "weights" and not os.path.exists(os.path.join(directory, f"darl-{m.group(1)}-ring")):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def free_port() -> int:
@@ -45,6 +73,8 @@ class LocalSession:
     def run(self) -> int:
         from megatron_darl import warmstart
 
+        for path in sweep_stale_runs():
+            self.log(f"removed shared memory of a dead run: {path}")
         self.cfg = warmstart.prepare_model(self.cfg)
         info = run_paths(self.cfg, new_run_id())
         resume = resolve_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
@@ -70,8 +100,6 @@ class LocalSession:
         from megatron_darl.replay.shm_ring import segment_path
 
         def cleanup() -> None:
-            import shutil
-
             path = segment_path(info["ring"])
             if os.path.exists(path):
                 os.unlink(path)

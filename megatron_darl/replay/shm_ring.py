@@ -517,6 +517,15 @@ def _read_header(fd: int) -> np.ndarray:
     return np.frombuffer(os.pread(fd, HEADER_BYTES, 0), dtype=np.uint64)
 
 
+def remove_if_stale(path: str) -> bool:
+    """Unlink `path` if it is a ring segment of a dead run; False (and untouched) if it is live."""
+    try:
+        _remove_if_stale(path)
+    except RingInUseError:
+        return False
+    return not os.path.exists(path)
+
+
 def _remove_if_stale(path: str) -> None:
     """Unlink a leftover segment of a crashed run; refuse a live one."""
     try:
