@@ -126,9 +126,12 @@ class RunConfig:
         if self.replay.sg and not self.algo.recompute_proximal:
             errs.append(("replay.sg", "selection scores use proximal log-probs: set "
                          "algo.recompute_proximal=true or replay.sg=false"))
+        if self.rollout.weight_sync == "nccl":
+            errs.append(("rollout.weight_sync", "nccl publication is not wired into the train loop in this "
+                         "version; use disk (SGLang) or shm/auto (embedded engines)"))
         if self.rollout.backend == "sglang" and self.rollout.weight_sync == "shm":
             errs.append(("rollout.weight_sync", "SGLang servers load weights from disk or NCCL, "
-                         "not from this node's shared memory; use disk, nccl or auto"))
+                         "not from this node's shared memory; use disk or auto"))
         return errs
 
 

@@ -117,3 +117,10 @@ def test_gpu_recipe_prints_but_does_not_start_without_its_files(capsys):
 def test_rollout_restart_without_abort_is_refused():
     with pytest.raises(ConfigError, match=r"rollout\.partial_rollout"):
         load_config(None, MODEL + ["rollout.partial_rollout=false", "rollout.pause_mode=in_place"])
+
+
+def test_unwired_options_are_refused_at_load():
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync"):
+        load_config(None, MODEL + ["rollout.weight_sync=nccl"])
+    with pytest.raises(ConfigError, match=r"replay\.pmis_beta"):
+        load_config(None, MODEL + ["replay.pmis_beta=balance"])
