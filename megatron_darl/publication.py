@@ -49,6 +49,12 @@ class Publisher:
         fields.update(changes)
         publish_notice(self.notice_path, WeightNotice(**fields))
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The rollout manager's latest counters and rates (`rollout/...`, `perf/...`) from its
+        status file, for the learner's TensorBoard; empty before its first status."""
+        status = read_status(self.status_path)
+        return dict(status.metrics) if status is not None else {}
+
     def _collect_garbage(self, newest: int) -> None:
         status = read_status(self.status_path)
         served = status.version if status is not None else 0

@@ -58,6 +58,8 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
             telemetry.record_trained(step, sorted(set(train.prompt_ids.tolist())))
             metrics.update(step_diagnostics(train, step, cfg.algo))
             metrics.update(feed.store.metrics())
+            for k, v in publisher.rollout_metrics().items():  # generation side; the batch's own keys win
+                metrics.setdefault(k, v)
         step += 1
         publisher.publish(step)                                                 # 5. version = step
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 or preempted():

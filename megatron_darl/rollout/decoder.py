@@ -201,6 +201,7 @@ class KVCache:
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
+    @torch.inference_mode()  # after `ensure` grew them inside decode, k/v are inference tensors
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]

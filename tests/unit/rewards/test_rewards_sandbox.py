@@ -103,7 +103,9 @@ def test_fork_bomb_is_contained(isolate):
         kill_uid(uid)
     assert not result.passed
     assert result.status in ("failed", "timeout")
-    assert peak[0] <= limits.max_procs
+    # +1: at the wall limit the sandbox kills the bomb through a helper that becomes the uid
+    # (kill_uid), which the watchdog can count next to the bomb's max_procs processes
+    assert peak[0] <= limits.max_procs + 1
     assert uid_processes(uid) == 0
 
 

@@ -164,3 +164,20 @@ def test_eos_from_config_and_generation_config_stops_unless_ignored(tmp_path):
     run_to_end(dec)
     assert stops.finish["type"] == "stop" and len(stops.output_ids) == 1
     assert ignores.finish["type"] == "length" and len(ignores.output_ids) == 4
+
+
+def test_long_sequences_grow_the_cache_and_leave_the_batch(tmp_path):
+    """Past the initial KV capacity (128) the cache grows inside decode; rows that finish later
+    must still move within it (a regression: the grown cache used to refuse in-place moves)."""
+    model = save_tiny(tmp_path / "m")
+    dec = Decoder(tmp_path / "m", max_batch=3)
+    seqs = [Sequence(r, [3, 1, 4], 3, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=i))
+            for i, (r, n) in enumerate([("short", 140), ("long", 200), ("mid", 170)])]
+    for s in seqs:
+        dec.add(s)
+    done = run_to_end(dec)
+    assert sorted(s.rid for s in done) == ["long", "mid", "short"]
+    assert dec.cache.capacity >= 203
+    for s in seqs:
+        assert len(s.output_ids) == s.sampling.max_new_tokens
+        assert (teacher_forced(model, s) - torch.tensor(s.logprobs)).abs().max() < 1e-4

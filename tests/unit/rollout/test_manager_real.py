@@ -69,7 +69,8 @@ class EvenTokens:
 def test_real_engines_ring_and_gate_survive_kill_and_update(tmp_path):
     save_tiny(tmp_path / "v0", 0)
     save_tiny(tmp_path / "v1", 1)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=48, max_concurrent_per_engine=8, request_timeout_s=30.0)
+    # long responses: some must still be generating when the weights change, however fast the machine
+    cfg = RolloutConfig(group_size=4, max_new_tokens=160, max_concurrent_per_engine=8, request_timeout_s=30.0)
     gate = StalenessGate(max_head_offpolicyness=1, batch_size=3)
     prompts = Prompts(9)
     name = f"darl-test-{uuid.uuid4().hex[:8]}"
@@ -90,7 +91,7 @@ def test_real_engines_ring_and_gate_survive_kill_and_update(tmp_path):
                 await asyncio.sleep(0.02)
                 if all(len(s.inflight) for s in mgr._slots):
                     break
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.05)  # some tokens under v0 first
             assert gate.version == 0
             await mgr.aupdate_weights(WeightVersion(1, "disk", str(tmp_path / "v1")))
             for _ in range(500):  # the victim is busy with continuations when it dies
