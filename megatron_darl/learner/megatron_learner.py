@@ -3,8 +3,9 @@
 What it is: the object the train loop holds on every learner rank — it sets up the process
 groups, builds and loads the model, and exposes recompute (`compute_logprobs`), the RL
 `train_step`, HF weight export and `dist_checkpointing` save/load, and for `pmis="balance"`
-the per-version recompute against kept snapshots (`compute_version_logprobs`). All methods are collective:
-every rank calls them in the same order; rank 0 (`is_main`) owns the batches and the results.
+the per-version recompute against kept snapshots (`compute_version_logprobs`). All methods
+are collective: every rank calls them in the same order; rank 0 (`is_main`) owns the batches
+and the results.
 What it is not: the async loop (train.py) or the loss maths (algo/).
 """
 

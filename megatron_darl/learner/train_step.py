@@ -100,10 +100,11 @@ def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.n
 def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Tensor,
                  versions: torch.Tensor) -> tuple[dict[int, torch.Tensor], int]:
     """`log mu_k` of these rows for every version k of the minibatch (`consts["needed"]`), and
-    how many were interpolated (and read by rows of another version). Exact from `given` (the batch's kept-snapshot recompute), or
-    the proximal log-probs for the proximal version itself; the rest by the log-linear
-    APPROXIMATION `algo.interpolate_version_logp` between b and p. A row's own version uses
-    its behavior log-probs b (what the engine sampled with), so one version is plain IS."""
+    how many versions were interpolated (and read by rows of another version). Exact from
+    `given` (the batch's kept-snapshot recompute), or the proximal log-probs for the proximal
+    version itself; the rest by the log-linear APPROXIMATION `algo.interpolate_version_logp`
+    between b and p. A row's own version uses its behavior log-probs b (what the engine
+    sampled with), so one version is plain IS."""
     needed, prox_version = consts["needed"], consts["prox_version"]
     out = {k: given[k] for k in needed if k in given}
     if prox_version in needed and prox_version not in out:
@@ -116,7 +117,7 @@ def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Ten
         out.update(algo.interpolate_version_logp(prox, behav, versions, prox_version, missing))
     own = lambda k: (versions == k).unsqueeze(-1)  # noqa: E731
     # with one version every row reads its own b: nothing interpolated is used
-    return {k: torch.where(own(k), behav, lp) for k, lp in out.items()}, len(missing) if len(needed) > 1 else 0
+    return {k: torch.where(own(k), behav, lp) for k, lp in out.items()}, (len(missing) if len(needed) > 1 else 0)
 
 
 def _weight_kwargs(a: AlgorithmConfig) -> dict:

@@ -23,7 +23,8 @@ def _batch(versions):
     batch = W.make_batch()
     rng = np.random.RandomState(2)
     batch.versions = np.asarray(versions, np.int64)
-    batch.prox_logprobs = (batch.behav_logprobs + 0.3 * rng.randn(*batch.tokens.shape) * batch.loss_mask).astype(np.float32)
+    noise = 0.3 * rng.randn(*batch.tokens.shape) * batch.loss_mask
+    batch.prox_logprobs = (batch.behav_logprobs + noise).astype(np.float32)
     logp = torch.tensor(batch.prox_logprobs + 0.1 * rng.randn(*batch.tokens.shape), dtype=torch.float32)
     return batch, logp
 
