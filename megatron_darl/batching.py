@@ -77,4 +77,6 @@ def take_groups(batch: TrainBatch, positions: np.ndarray) -> TrainBatch:
         token_versions=pick(batch.token_versions), versions=batch.versions[rows],
         group_index=np.array([renumber[int(g)] for g in batch.group_index[rows]], dtype=np.int64),
         rewards=batch.rewards[rows], prompt_ids=batch.prompt_ids[rows], prox_logprobs=pick(batch.prox_logprobs),
+        behav_logprobs_by_version=None if batch.behav_logprobs_by_version is None else
+        {k: pick(v) for k, v in batch.behav_logprobs_by_version.items()},
     )

@@ -117,10 +117,13 @@ class RunConfig:
         if self.replay.pmis and self.algo.policy_loss != "darl":
             errs.append(("replay.pmis", f"the per-version objective needs algo.policy_loss=darl "
                          f"(got {self.algo.policy_loss!r}); set replay.pmis=false for baselines"))
-        if self.replay.pmis and self.replay.pmis_beta == "balance":
-            errs.append(("replay.pmis_beta", "balance needs the behavior log-probs of every kept version, which "
-                         "the Megatron learner does not keep in this version; use ess or tokens (the balance "
-                         "heuristic itself is algo.balance_weights)"))
+        if self.replay.pmis_beta == "balance":
+            if not self.replay.pmis or self.algo.policy_loss != "darl":
+                errs.append(("replay.pmis_beta", "balance weighs D-ARL's per-version objective: it needs "
+                             "replay.pmis=true and algo.policy_loss=darl"))
+            if self.algo.rollout_is not in (None, "token"):
+                errs.append(("replay.pmis_beta", f"balance weights are per token: it needs algo.rollout_is=token "
+                             f"or null (got {self.algo.rollout_is!r})"))
         if self.replay.sg and not self.replay.enable:
             errs.append(("replay.sg", "variance-guided selection needs replay.enable=true"))
         if self.replay.sg and not self.algo.recompute_proximal:

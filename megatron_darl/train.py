@@ -52,6 +52,9 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         chosen, metrics = choose_groups(batch, cands, cfg.train.batch_prompts, cfg.replay, step) if main \
             else (None, {})                                                     # 3. D-ARL selection / FIFO
         train = learner.broadcast_batch(take_groups(batch, chosen) if main else None)
+        if learner.pmis == "balance":                                           # balance: log mu_k per kept version
+            older = sorted({int(v) for v in train.versions} - {step})           # (the current one is prox itself)
+            train.behav_logprobs_by_version = learner.compute_version_logprobs(train, older)
         metrics.update(learner.train_step(train))                              # 4. train (minibatches)
         if main:
             feed.store.commit(step, cands.group_ids[chosen])

@@ -146,6 +146,8 @@ class TrainBatch:
     rewards: np.ndarray  # float32 [B]
     prompt_ids: np.ndarray  # int64 [B]
     prox_logprobs: np.ndarray | None = None  # float32 [B, L], learner-filled
+    # float32 [B, L] per kept version k: log mu_k of every token (pmis_beta=balance, exact snapshots)
+    behav_logprobs_by_version: dict[int, np.ndarray] | None = None
 
     @property
     def batch_size(self) -> int:

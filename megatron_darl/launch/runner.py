@@ -89,7 +89,13 @@ def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
 
     preempted = _Preemption()
     learner = MegatronLearner(cfg.model, cfg.parallel, cfg.optim, cfg.learner, cfg.algo,
-                              temperature=cfg.rollout.temperature, seed=cfg.train.seed, pmis=learner_pmis(cfg))
+                              temperature=cfg.rollout.temperature, seed=cfg.train.seed, pmis=learner_pmis(cfg),
+                              balance_snapshots=cfg.replay.balance_snapshots, replay_k=cfg.replay.k)
+    if learner.is_main and learner.balance_mode is not None:
+        how = ("exact: the K previous versions' weights are kept on CPU" if learner.balance_mode == "exact" else
+               "interpolated log-linearly between b and p (an approximation)")
+        print(f"darl-train: replay.pmis_beta=balance, replay.balance_snapshots="
+              f"{cfg.replay.balance_snapshots} -> {learner.balance_mode} ({how})", flush=True)
     feed = None
     if learner.is_main:
         ring = ShmRing.create(info["ring"], cfg.replay.ring_bytes, checksum=cfg.replay.effective_ring_checksum)

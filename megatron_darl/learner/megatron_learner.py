@@ -2,8 +2,10 @@
 
 What it is: the object the train loop holds on every learner rank — it sets up the process
 groups, builds and loads the model, and exposes recompute (`compute_logprobs`), the RL
-`train_step`, HF weight export and `dist_checkpointing` save/load. All methods are collective:
-every rank calls them in the same order; rank 0 (`is_main`) owns the batches and the results.
+`train_step`, HF weight export and `dist_checkpointing` save/load, and for `pmis="balance"`
+the per-version recompute against kept snapshots (`compute_version_logprobs`). All methods
+are collective: every rank calls them in the same order; rank 0 (`is_main`) owns the batches
+and the results.
 What it is not: the async loop (train.py) or the loss maths (algo/).
 """
 
@@ -21,11 +23,13 @@ from megatron_darl.learner.collectives import broadcast_arrays
 from megatron_darl.learner.logprobs import run_schedule
 from megatron_darl.learner.packing import rank_micro_batches
 from megatron_darl.learner.parallel import destroy_parallel, init_parallel
+from megatron_darl.learner.snapshots import PolicySnapshots, choose_mode
 from megatron_darl.learner.train_step import setup_training, train_step
 from megatron_darl.types import TrainBatch
 
 _BATCH_FIELDS = ("tokens", "lengths", "loss_mask", "advantages", "behav_logprobs", "token_versions",
                  "versions", "group_index", "rewards", "prompt_ids", "prox_logprobs")
+_BY_VERSION = "behav_logprobs_by_version/"  # broadcast name prefix of the per-version arrays
 
 
 def _check(section: str, cfg) -> None:
@@ -42,12 +46,14 @@ class MegatronLearner:
 
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, optim_cfg: OptimConfig,
                  learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig, temperature: float = 1.0, seed: int = 0,
-                 pmis: str = "ess"):
+                 pmis: str = "ess", balance_snapshots: str = "auto", replay_k: int = 4):
+        """`balance_snapshots` / `replay_k`: `replay.balance_snapshots` and `replay.k`, read for
+        `pmis="balance"` only (see `balance_mode`)."""
         for section, cfg in (("model", model_cfg), ("parallel", parallel_cfg), ("optim", optim_cfg),
                              ("learner", learner_cfg), ("algorithm", algo_cfg)):
             _check(section, cfg)
-        if pmis not in ("ess", "tokens"):
-            raise ValueError(f"pmis={pmis!r}: the learner computes D-ARL's beta_k as ess or tokens")
+        if pmis not in ("ess", "tokens", "balance"):
+            raise ValueError(f"pmis={pmis!r}: the learner computes D-ARL's beta_k as ess, tokens or balance")
         self.pmis = pmis  # replay.pmis_beta (tokens when replay.pmis is false); used by policy_loss=darl
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -63,7 +69,12 @@ class MegatronLearner:
         self.chunks = chunks
         self.ddp, self.optimizer, self.scheduler = setup_training(chunks, optim_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
         self.step = 0  # train steps done (each is ppo_n_minibatches optimizer steps)
-        self.num_params = self._count_params()
+        self.num_params, param_bytes = self._count_params()
+        # balance: "exact" keeps the K previous versions' weights (CPU) and rescores with them;
+        # "interpolate" approximates log mu_k from b and p; None for the other beta_k rules
+        self.balance_mode = choose_mode(balance_snapshots, replay_k, param_bytes) if pmis == "balance" else None
+        self.snapshots = PolicySnapshots([p for c in self.chunks for p in c.parameters()], replay_k) \
+            if self.balance_mode == "exact" else None
 
     # ---- protocol ----
     @property
@@ -75,8 +86,11 @@ class MegatronLearner:
         arrays = None
         if self.is_main:
             arrays = {f: getattr(batch, f) for f in _BATCH_FIELDS if getattr(batch, f) is not None}
+            for v, lp in (batch.behav_logprobs_by_version or {}).items():
+                arrays[f"{_BY_VERSION}{int(v)}"] = lp
         got = broadcast_arrays(arrays, 0, None, self.ctx.device)
-        return TrainBatch(**got)
+        by_version = {int(k[len(_BY_VERSION):]): got.pop(k) for k in list(got) if k.startswith(_BY_VERSION)}
+        return TrainBatch(**got, behav_logprobs_by_version=by_version or None)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> np.ndarray:
@@ -99,13 +113,34 @@ class MegatronLearner:
         dist.broadcast(full, src=dist.get_global_rank(ctx.pg.pp, ctx.pp - 1), group=ctx.pg.pp)
         return full.cpu().numpy()
 
+    @torch.no_grad()
+    def compute_version_logprobs(self, batch: TrainBatch, versions: list[int]) -> dict[int, np.ndarray]:
+        """`{v: log-probs [B, L]}` under the weights of each policy version v in `versions` that
+        is available: the current one (`v == step`) or a kept snapshot (`pmis="balance"` with
+        exact snapshots). Versions without weights (older than K, from before a resume, or
+        interpolate mode) are left out: the train step interpolates them. The live parameters
+        are restored bit for bit."""
+        out = {}
+        for v in sorted({int(v) for v in versions}):
+            if v == self.step:
+                out[v] = self.compute_logprobs(batch)
+            elif self.snapshots is not None and v in self.snapshots:
+                with self.snapshots.swapped(v):
+                    out[v] = self.compute_logprobs(batch)
+        return out
+
     def train_step(self, batch: TrainBatch, beta: dict[int, float] | None = None) -> dict[str, float]:
         """`algorithm.ppo_n_minibatches` optimizer steps on `batch` (which must carry
         `prox_logprobs` when the loss reads them); returns metrics (same on every rank)."""
+        if self.snapshots is not None:
+            self.snapshots.keep(self.step)  # the weights published as version `step` (0: initial)
         metrics = train_step(self.ddp, self.optimizer, self.scheduler, batch, self.algo_cfg, self.learner_cfg,
                              pg=self.ctx.pg, device=self.ctx.device, temperature=self.temperature,
-                             vocab_size=self.vocab_size, beta=beta, pmis=self.pmis, num_params=self.num_params)
+                             vocab_size=self.vocab_size, beta=beta, pmis=self.pmis, num_params=self.num_params,
+                             prox_version=self.step)
         self.step += 1
+        if self.snapshots is not None:
+            self.snapshots.prune(self.step)
         metrics["train/step"] = float(self.step)
         return metrics
 
@@ -126,7 +161,10 @@ class MegatronLearner:
         checkpoint.save(self, ckpt_dir, extra_state or {})
 
     def load(self, ckpt_dir: str) -> dict[str, Any]:
-        """Restore a `save` (any TP/PP layout); returns its `extra_state`."""
+        """Restore a `save` (any TP/PP layout); returns its `extra_state`. Kept balance
+        snapshots are dropped (they are not checkpointed)."""
+        if self.snapshots is not None:
+            self.snapshots.clear()
         return checkpoint.load(self, ckpt_dir)
 
     def close(self, keep_world: bool = False) -> None:
@@ -140,7 +178,10 @@ class MegatronLearner:
         return get_adapter(self.hf_config, spec=self.spec,
                            make_vocab_size_divisible_by=self.model_cfg.make_vocab_size_divisible_by)
 
-    def _count_params(self) -> int:
-        n = torch.tensor([sum(p.numel() for c in self.chunks for p in c.parameters())], device=self.ctx.device)
+    def _count_params(self) -> tuple[int, int]:
+        """(parameters, their bytes) of the whole model, the same on every rank."""
+        params = [p for c in self.chunks for p in c.parameters()]
+        n = torch.tensor([sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)],
+                         device=self.ctx.device)
         dist.all_reduce(n, group=self.ctx.pg.mp)  # TP shards and PP stages hold disjoint parameters
-        return int(n.item())
+        return int(n[0].item()), int(n[1].item())

@@ -70,6 +70,8 @@ def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, li
     }
     if batch.prox_logprobs is not None:
         mb["prox_logprobs"] = t(batch.prox_logprobs, torch.float32)
+    if batch.behav_logprobs_by_version:
+        mb["behav_logprobs_by_version"] = {k: t(v, torch.float32) for k, v in batch.behav_logprobs_by_version.items()}
     return mb
 
 

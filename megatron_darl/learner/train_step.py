@@ -63,28 +63,61 @@ def setup_training(chunks: list, optim: OptimConfig, pg, *, on_gpu: bool):
 
 
 def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.ndarray,
-                        beta: dict[int, float] | None, pmis: str = "ess") -> tuple[dict, dict]:
+                        beta: dict[int, float] | None, pmis: str = "ess",
+                        prox_version: int | None = None) -> tuple[dict, dict]:
     """Whole-minibatch quantities every micro-batch loss needs, and their metrics (once).
-    `pmis` (ess | tokens) computes D-ARL's beta_k when the caller passes no `beta`."""
+    `pmis` (ess | tokens | balance) computes D-ARL's beta_k when the caller passes no `beta`;
+    balance also needs `log mu_k` per version (see `balance_logp`; `prox_version` is the
+    version of the proximal policy, the learner's step)."""
     t = lambda a: torch.as_tensor(np.asarray(a)[rows], dtype=torch.float32)  # noqa: E731
     mask = t(batch.loss_mask) > 0
     consts = {"den": max(float(mask.sum()), 1.0)}
     metrics: dict[str, float] = {}
     if algo_cfg.policy_loss == "darl":
         versions = torch.as_tensor(batch.versions[rows])
+        counts = algo.version_token_counts(versions, mask)
+        by_version = None
+        if pmis == "balance":
+            consts.update(needed=sorted(k for k, n in counts.items() if float(n) > 0), prox_version=prox_version)
+            given = {k: t(v) for k, v in (batch.behav_logprobs_by_version or {}).items()}
+            by_version, interpolated = balance_logp(consts, given, t(batch.prox_logprobs), t(batch.behav_logprobs),
+                                                    versions)
+            metrics.update({"algo/balance_exact": float(interpolated == 0),
+                            "algo/balance_interpolated": float(interpolated)})
         if beta is None:
             beta, counts, m = algo.pmis_batch_constants(
                 t(batch.prox_logprobs), t(batch.behav_logprobs), mask, versions,
-                **_is_kwargs(algo_cfg), pmis=pmis)
+                **_is_kwargs(algo_cfg), pmis=pmis, behav_logp_by_version=by_version)
             metrics.update({k: float(v) for k, v in m.items()})
-        else:
-            counts = algo.version_token_counts(versions, mask)
         consts.update(beta={int(k): float(v) for k, v in beta.items()}, counts=counts, pmis=pmis)
     elif algo_cfg.policy_loss == "ppo" and algo_cfg.rollout_is is not None:
         _, m = algo.rollout_is_weights(t(batch.prox_logprobs), t(batch.behav_logprobs), mask,
                                        level=algo_cfg.rollout_is, **_weight_kwargs(algo_cfg))
         metrics.update({k: float(v) for k, v in m.items()})
     return consts, metrics
+
+
+def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Tensor,
+                 versions: torch.Tensor) -> tuple[dict[int, torch.Tensor], int]:
+    """`log mu_k` of these rows for every version k of the minibatch (`consts["needed"]`), and
+    how many versions were interpolated (and read by rows of another version). Exact from
+    `given` (the batch's kept-snapshot recompute), or the proximal log-probs for the proximal
+    version itself; the rest by the log-linear APPROXIMATION `algo.interpolate_version_logp`
+    between b and p. A row's own version uses its behavior log-probs b (what the engine
+    sampled with), so one version is plain IS."""
+    needed, prox_version = consts["needed"], consts["prox_version"]
+    out = {k: given[k] for k in needed if k in given}
+    if prox_version in needed and prox_version not in out:
+        out[prox_version] = prox
+    missing = [k for k in needed if k not in out]
+    if missing:
+        if prox_version is None:
+            raise ValueError(f"pmis='balance': no log-probs for versions {missing} and no prox_version to "
+                             "interpolate them")
+        out.update(algo.interpolate_version_logp(prox, behav, versions, prox_version, missing))
+    own = lambda k: (versions == k).unsqueeze(-1)  # noqa: E731
+    # with one version every row reads its own b: nothing interpolated is used
+    return {k: torch.where(own(k), behav, lp) for k, lp in out.items()}, (len(missing) if len(needed) > 1 else 0)
 
 
 def _weight_kwargs(a: AlgorithmConfig) -> dict:
@@ -117,9 +150,12 @@ def policy_loss(a: AlgorithmConfig, consts: dict, mb: dict, logp: torch.Tensor, 
         loss, m = algo.decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=a.behav_weight_cap,
                                           loss_denominator=den, **common, **_behav_clip(a))
     elif a.policy_loss == "darl":
+        by_version = None
+        if consts["pmis"] == "balance":
+            by_version, _ = balance_logp(consts, mb.get("behav_logprobs_by_version", {}), prox, behav, mb["versions"])
         loss, m = algo.darl_policy_loss(logp, prox, behav, adv, mask, mb["versions"], **_is_kwargs(a),
                                         pmis=consts["pmis"], beta=consts["beta"], version_token_counts=consts["counts"],
-                                        **common, **_behav_clip(a))
+                                        behav_logp_by_version=by_version, **common, **_behav_clip(a))
     elif a.policy_loss == "sg_weight":
         loss, m = algo.sg_policy_loss(logp, behav, adv, mask, threshold=a.rollout_is_threshold, loss_denominator=den)
     else:
@@ -151,7 +187,7 @@ def reduce_head_metrics(outs: list[dict], pg, device) -> dict[str, float]:
 
 def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmConfig, lc: LearnerConfig, *,
                pg, device, temperature: float, vocab_size: int, beta: dict[int, float] | None = None,
-               pmis: str = "ess", num_params: int = 0) -> dict[str, float]:
+               pmis: str = "ess", num_params: int = 0, prox_version: int | None = None) -> dict[str, float]:
     """`ppo_n_minibatches` optimizer steps over `batch`; metrics averaged over the steps."""
     if a.uses_proximal and batch.prox_logprobs is None:
         raise ValueError(f"policy_loss={a.policy_loss} old_logprob={a.old_logprob} needs batch.prox_logprobs")
@@ -159,7 +195,7 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmC
     per_step: list[dict[str, float]] = []
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
     for rows in split_minibatches(batch.group_index, a.ppo_n_minibatches):
-        consts, metrics = minibatch_constants(a, batch, rows, beta, pmis)
+        consts, metrics = minibatch_constants(a, batch, rows, beta, pmis, prox_version)
         mbs = rank_micro_batches(batch, rows, lc.micro_batch_tokens, dp, dp_rank, device)
         for chunk in ddp:
             chunk.zero_grad_buffer()

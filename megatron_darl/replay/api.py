@@ -21,6 +21,7 @@ from megatron_darl.types import Trajectory
 
 PMIS_BETAS = ("ess", "tokens", "balance")
 SG_FILLS = ("fresh", "none")
+BALANCE_SNAPSHOTS = ("exact", "interpolate", "auto")
 
 
 @dataclass
@@ -37,6 +38,10 @@ class ReplayConfig:
     warmup: int = 5  # first `warmup` steps train only on the freshest version in the pool
     pmis: bool = True  # per-version objective with weights beta_k (false: one collapsed token mean)
     pmis_beta: str = "ess"  # beta_k: "ess" (inverse variance) | "tokens" (N_k/N) | "balance" (Veach)
+    # balance's log mu_k: "exact" keeps a CPU copy of the weights of the K previous versions and
+    # rescores the batch with each; "interpolate" approximates log-linearly between b and p (no
+    # copies); "auto": exact when K copies of the parameters fit in 2 GiB, else interpolate
+    balance_snapshots: str = "auto"
     ring_bytes: int = 268435456  # size of the on-node shared-memory ring buffer (bytes, 256 MiB)
     ring_name: str | None = None  # segment name under /dev/shm; None: the launcher derives one per run and node
     ring_checksum: bool | None = None  # crc32 per record; None: on unless the CPU is x86-64 (see shm_ring.py)
@@ -44,6 +49,7 @@ class ReplayConfig:
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "sg_fill": SG_FILLS,
         "pmis_beta": PMIS_BETAS,
+        "balance_snapshots": BALANCE_SNAPSHOTS,
     }
 
     @property

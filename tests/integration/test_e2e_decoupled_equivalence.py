@@ -131,7 +131,8 @@ def test_darl_tokens_k1_equals_verl_decoupled(warm_model, monkeypatch):
 
 
 def test_run_config_decides_the_learner_beta():
-    """`replay.pmis_beta` / `replay.pmis` reach the learner's loss; `balance` is refused by name."""
+    """`replay.pmis_beta` / `replay.pmis` reach the learner's loss (balance included); an
+    unknown beta_k rule is refused by name."""
     from megatron_darl.config import load_config
     from megatron_darl.launch.runner import learner_pmis
     from megatron_darl.learner.megatron_learner import MegatronLearner
@@ -140,6 +141,7 @@ def test_run_config_decides_the_learner_beta():
     assert learner_pmis(load_config(demo, ["replay.pmis_beta=ess"])) == "ess"
     assert learner_pmis(load_config(demo, ["replay.pmis_beta=tokens"])) == "tokens"
     assert learner_pmis(load_config(demo, ["replay.pmis=false", "replay.pmis_beta=ess"])) == "tokens"
-    with pytest.raises(ValueError, match="balance"):
+    assert learner_pmis(load_config(demo, ["replay.pmis_beta=balance"])) == "balance"
+    with pytest.raises(ValueError, match="uniform"):
         MegatronLearner(ModelConfig(hf_dir="unused"), ParallelConfig(), OptimConfig(), LearnerConfig(),
-                        AlgorithmConfig(), pmis="balance")
+                        AlgorithmConfig(), pmis="uniform")

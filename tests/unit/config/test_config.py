@@ -122,5 +122,16 @@ def test_rollout_restart_without_abort_is_refused():
 def test_unwired_options_are_refused_at_load():
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync"):
         load_config(None, MODEL + ["rollout.weight_sync=nccl"])
-    with pytest.raises(ConfigError, match=r"replay\.pmis_beta"):
-        load_config(None, MODEL + ["replay.pmis_beta=balance"])
+
+
+
+def test_balance_loads_and_needs_the_per_version_objective():
+    cfg = load_config(None, MODEL + ["replay.pmis_beta=balance", "replay.balance_snapshots=exact"])
+    assert cfg.replay.pmis_beta == "balance" and cfg.replay.balance_snapshots == "exact"
+    assert load_config(None, MODEL + ["replay.pmis_beta=balance"]).replay.balance_snapshots == "auto"
+    with pytest.raises(ConfigError, match=r"replay\.pmis_beta.*replay\.pmis=true"):
+        load_config(None, MODEL + ["replay.pmis_beta=balance", "replay.pmis=false"])
+    with pytest.raises(ConfigError, match=r"replay\.pmis_beta.*rollout_is=token"):
+        load_config(None, MODEL + ["replay.pmis_beta=balance", "algo.rollout_is=sequence"])
+    with pytest.raises(ConfigError, match=r"replay\.balance_snapshots"):
+        load_config(None, MODEL + ["replay.pmis_beta=balance", "replay.balance_snapshots=always"])

@@ -39,4 +39,5 @@ def test_check_names_each_bad_field():
     assert fields == ["k", "max_reuse", "sg_quantile", "sg_tau_abs", "warmup", "ring_bytes", "ring_name"]
     assert ReplayConfig().check() == [] and StalenessConfig().check() == []
     assert StalenessConfig(max_head_offpolicyness=-1).check()[0][0] == "max_head_offpolicyness"
-    assert ReplayConfig._choices == {"sg_fill": ("fresh", "none"), "pmis_beta": ("ess", "tokens", "balance")}
+    assert ReplayConfig._choices == {"sg_fill": ("fresh", "none"), "pmis_beta": ("ess", "tokens", "balance"),
+                                     "balance_snapshots": ("exact", "interpolate", "auto")}

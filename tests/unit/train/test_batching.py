@@ -46,6 +46,13 @@ def test_take_groups_cuts_whole_groups_in_chosen_order():
     np.testing.assert_array_equal(sub.tokens[:4], b.tokens[rows][:, : sub.tokens.shape[1]])
     assert sub.tokens.shape[1] == sub.lengths.max()  # trimmed to the longest kept sequence
     np.testing.assert_allclose(sub.prox_logprobs - sub.behav_logprobs, 0.1 * sub.loss_mask, atol=1e-6)
+    assert sub.behav_logprobs_by_version is None
+    b.behav_logprobs_by_version = {0: b.behav_logprobs + 1.0, 1: b.behav_logprobs + 2.0}
+    sub = take_groups(b, np.array([2, 0]))
+    assert sorted(sub.behav_logprobs_by_version) == [0, 1]
+    for k, lp in sub.behav_logprobs_by_version.items():
+        assert lp.shape == sub.behav_logprobs.shape
+        np.testing.assert_allclose(lp - sub.behav_logprobs, k + 1.0, atol=1e-6)
 
 
 def test_choose_groups_drops_the_drifted_stale_group():
