@@ -83,7 +83,7 @@ class LocalSession:
         load_rollout_state(resume)  # fails now, not in the manager, if the sidecar is missing
         cfg_path, info_path = write_run_info(self.cfg, info)
         self._cleanup_on_exit(info)
-        self._start_engines()
+        self.start_engines()
         before = self._evaluate("before RL") if self._eval_enabled(resume) else None
         self._start_manager(cfg_path, info)
         learners = self._start_learners(cfg_path, info_path)
@@ -108,7 +108,7 @@ class LocalSession:
 
         self.sup.on_shutdown(cleanup)
 
-    def _start_engines(self) -> None:
+    def start_engines(self) -> None:
         rc = self.cfg.rollout
         if rc.backend == "sglang":
             if not self.engine_urls:
