@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -120,6 +120,8 @@ def learner_main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-info", required=True, help="JSON with ring name, notice/status paths, weights root")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
+    if not torch.cuda.is_available():  # expected on CPU: Megatron's fallbacks are the CPU path
+        warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed")
     with open(args.run_info, encoding="utf-8") as fh:
         info = json.load(fh)
     from megatron_darl.launch.runner import build_learner_side
