@@ -2,7 +2,6 @@
 built from each exported version), the live weights come back bit for bit, one version is plain
 IS, interpolation is flagged, and micro-batch losses add up."""
 
-import os
 import socket
 
 import numpy as np

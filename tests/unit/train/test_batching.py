@@ -1,7 +1,6 @@
 """Candidate batches, advantages per group, D-ARL gating and group subsets."""
 
 import numpy as np
-import pytest
 
 from megatron_darl.batching import candidate_batch, choose_groups, group_advantages, take_groups
 from megatron_darl.learner.api import AlgorithmConfig
