@@ -78,11 +78,10 @@ class LoggingConfig:
     tensorboard: bool = True  # scalars and histograms under <run_dir>/tb
     jsonl: bool = True  # one JSON line of metrics per step in <run_dir>/metrics.jsonl
     progress: bool = True  # progress bar with step, reward and ETA
-    every_steps: int = 1
-    histogram_every: int = 10  # staleness / reuse / weight histograms every N steps
+    histogram_every: int = 10  # TensorBoard histograms (staleness, reuse) every N steps; scalars every step
 
     def check(self) -> list[tuple[str, str]]:
-        return [("every_steps", "must be >= 1")] if self.every_steps < 1 else []
+        return [("histogram_every", "must be >= 1")] if self.histogram_every < 1 else []
 
 
 @dataclass

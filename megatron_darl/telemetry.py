@@ -44,8 +44,9 @@ class Telemetry:
     """Write metrics for one process (the main learner rank); others pass `enabled=False`."""
 
     def __init__(self, run_dir: str, total_steps: int, *, start_step: int = 0, tensorboard: bool = True,
-                 jsonl: bool = True, progress: bool = True, enabled: bool = True):
+                 jsonl: bool = True, progress: bool = True, enabled: bool = True, histogram_every: int = 1):
         self.enabled = enabled
+        self.histogram_every = histogram_every
         self.run_dir = run_dir
         self._writer = None
         self._jsonl = None
@@ -76,10 +77,12 @@ class Telemetry:
     def tensorboard_dir(self) -> str:
         return os.path.join(self.run_dir, "tb")
 
-    def log(self, step: int, metrics: dict[str, Any], histogram: bool = True) -> None:
-        """Record one step. NaN/inf scalars are kept in JSONL as strings, never dropped."""
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record one step: scalars always, histograms every `histogram_every` steps. NaN/inf
+        scalars are kept in JSONL as strings, never dropped."""
         if not self.enabled:
             return
+        histogram = step % self.histogram_every == 0
         scalars: dict[str, float] = {}
         for key, value in metrics.items():
             s = _scalar(value)
@@ -108,10 +111,6 @@ class Telemetry:
         if self._ledger is not None:
             self._ledger.write(json.dumps({"step": step, "prompt_ids": [int(u) for u in prompt_ids]}) + "\n")
             self._ledger.flush()
-
-    def text(self, tag: str, text: str, step: int = 0) -> None:
-        if self.enabled and self._writer is not None:
-            self._writer.add_text(tag, text, step)
 
     def close(self) -> None:
         if self._bar is not None:

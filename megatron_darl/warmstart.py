@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_darl.config import RunConfig, save_resolved
+from megatron_darl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,3 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int,
         bar.set_postfix(loss=f"{loss_val:.3f}", refresh=False)
     model.eval()
     return {"sft_final_loss": loss_val, "sft_seconds": round(time.time() - t0, 1)}
-
-
-def write_run_config(cfg: RunConfig) -> str:
-    """Save the resolved config (with the real model folder) for the child processes."""
-    return save_resolved(cfg, cfg.train.run_dir)

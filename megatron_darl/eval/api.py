@@ -7,24 +7,20 @@ What it is not: the graders (they live in `rollout/rewards/`) or the generation 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class EvalConfig:
     """Held-out evaluation during and after training."""
 
-    every_steps: int = 0  # evaluate every N train steps (0: only at the start and end)
     num_problems: int = 500  # problems drawn from data.eval_source (0: no evaluation)
     samples_per_problem: int = 1  # k of avg@k / pass@k
     temperature: float = 0.0  # 0 = greedy
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
-    benchmarks: list[str] = field(default_factory=list)  # extra data specs, e.g. "jsonl:/data/gsm8k_test.jsonl"
 
     def check(self) -> list[tuple[str, str]]:
         errs: list[tuple[str, str]] = []
-        if self.every_steps < 0:
-            errs.append(("every_steps", "must be >= 0"))
         if self.num_problems < 0:
             errs.append(("num_problems", "must be >= 0 (0: no evaluation)"))
         if self.samples_per_problem < 1:

@@ -69,6 +69,8 @@ def evaluate(cfg, urls: list[str]):
             urls = session.engine_urls
         scores, line = evaluate_with_engines(cfg, urls, f"of {os.path.basename(cfg.model.hf_dir.rstrip('/'))}")
         print(line, file=sys.stderr)
+        if scores is None:  # cannot happen for --data, which always names the evaluated split
+            raise ValueError(line)
         return scores.result(cfg.data.eval_source or cfg.data.source)
 
 

@@ -17,12 +17,14 @@ from megatron_darl.eval.runner import ProblemScores, aevaluate, format_result
 from megatron_darl.types import WeightVersion
 
 
-def eval_prompts(cfg: RunConfig, tokenizer) -> list:
+def eval_prompts(cfg: RunConfig, tokenizer) -> list | None:
+    """The held-out problems, or None when the data has no eval split (files without
+    data.eval_source)."""
     from megatron_darl.data.sources import build_loader
 
     loader = build_loader(cfg.data, tokenizer, "eval")
     if loader is None:
-        raise ValueError("evaluation needs data.eval_source (or a procedural data.source)")
+        return None
     n = min(cfg.eval.num_problems, len(loader.source))
     return loader.next_batch(n)
 
@@ -56,10 +58,13 @@ async def _arun(cfg: RunConfig, urls: list[str], prompts: list, tokenizer, final
 
 
 def evaluate_with_engines(cfg: RunConfig, urls: list[str], label: str,
-                          final_model: str | None = None) -> tuple[ProblemScores, str]:
+                          final_model: str | None = None) -> tuple[ProblemScores | None, str]:
+    """Scores and a printable line; (None, why) when the data has no held-out split."""
     from megatron_darl.data.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_dir)
     prompts = eval_prompts(cfg, tokenizer)
+    if prompts is None:
+        return None, f"no held-out accuracy {label}: set data.eval_source (file sources have no eval split)"
     scores = asyncio.run(_arun(cfg, urls, prompts, tokenizer, final_model))
     return scores, format_result(scores.result(f"held-out accuracy {label}"))

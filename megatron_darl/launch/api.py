@@ -28,8 +28,6 @@ class LaunchConfig:
     mem_gb: int = 0  # per node; 0 = Slurm default
     max_requeue: int = 3  # requeues on preemption before giving up (resume from last checkpoint)
     slurm_extra: dict[str, str] = field(default_factory=dict)  # extra sbatch options, e.g. {"qos": "high"}
-    master_port: int = 29500  # torch.distributed rendezvous port for learner ranks
-    engine_base_port: int = 30000  # embedded/SGLang engines listen on base_port + index
     startup_timeout_s: float = 300.0  # every child must report healthy within this
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("local", "slurm")}
@@ -40,6 +38,4 @@ class LaunchConfig:
             errs.append(("trainer_nodes", "must be >= 1"))
         if self.learner_procs_per_node < 1:
             errs.append(("learner_procs_per_node", "must be >= 1"))
-        if not 1024 <= self.master_port <= 65535:
-            errs.append(("master_port", "must be in [1024, 65535]"))
         return errs

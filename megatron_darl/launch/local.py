@@ -162,14 +162,3 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def install_signal_handlers() -> None:
-    """Turn SIGTERM (and SIGUSR1, Slurm's preemption warning) into KeyboardInterrupt in the
-    launcher so that `with Supervisor(...)` tears everything down on the way out."""
-
-    def _raise(signum, _frame):
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGTERM, _raise)
-    signal.signal(signal.SIGUSR1, _raise)

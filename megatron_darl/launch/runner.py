@@ -112,7 +112,8 @@ def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
     start = ckpt.resume(info.get("resume"))
     publisher.publish(start)  # engines move to the policy being trained (v0, or the resumed one)
     tele = Telemetry(cfg.train.run_dir, cfg.train.steps, start_step=start, tensorboard=cfg.logging.tensorboard,
-                     jsonl=cfg.logging.jsonl, progress=cfg.logging.progress, enabled=learner.is_main)
+                     jsonl=cfg.logging.jsonl, progress=cfg.logging.progress, enabled=learner.is_main,
+                     histogram_every=cfg.logging.histogram_every)
     return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info)
 
 

@@ -183,9 +183,8 @@ class LocalSession:
 
     # ---- evaluation ----
     def _eval_enabled(self, resume: str | None) -> bool:
-        from megatron_darl.data.sources import build_source
-
-        return self.cfg.eval.num_problems > 0 and resume is None and build_source(self.cfg.data, "eval") is not None
+        """Before/after evaluation of a fresh run (a resumed one has no 'before')."""
+        return self.cfg.eval.num_problems > 0 and resume is None
 
     def _evaluate(self, label: str, final: str | None = None):
         from megatron_darl.eval.session import evaluate_with_engines
