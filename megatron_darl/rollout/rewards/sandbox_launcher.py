@@ -88,7 +88,11 @@ def _mount_points() -> list[tuple[str, int]]:
 
 def _private_filesystem(libc, spec: dict) -> bool:
     """Make every mount read-only in our mount namespace and put a fresh tmpfs on /tmp, with
-    the scratch folder the only place the program's uid may write."""
+    the scratch folder the only place the program's uid may write. Not when the interpreter's
+    install lies under /tmp (a virtualenv there): the private /tmp would hide it, so the program
+    keeps the host's filesystem behind the uid drop and the audit hooks instead."""
+    if any(p == "/tmp" or p.startswith("/tmp/") for p in spec["expose"]):
+        return False  # checked before anything is mounted: the fallback needs the host's /tmp
     if not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
         return False
     for point, flags in _mount_points():
