@@ -5,7 +5,7 @@ MATH-500 (`problem`, `answer`, `subject`, `level`, `unique_id`), AIME24 (`proble
 `public_test_cases`, `private_test_cases`, `metadata`), or custom fields.
 
 What it is: `FileSource`, which reads a file once, keeps the good rows and counts every bad
-row (invalid JSON, not an object, missing field, empty prompt, undecodable value) in its
+row (not UTF-8, invalid JSON, not an object, missing field, empty prompt, undecodable value) in its
 `DataReport` with file and line, so a long run neither crashes nor drops rows silently.
 What it is not: a grader; the `answer` payloads are what the math and code graders consume.
 """
@@ -148,8 +148,15 @@ def _rows(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
                 yield f"{path}:row {batch_start + i + 1}", row
         return
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:  # bytes: a line that is not UTF-8 is a bad row, not replaced text
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = raw[e.start:e.start + 4].hex(" ")
+                yield f"{path}:{lineno}", RowError("invalid_utf8",
+                                                   f"bytes {bad} at byte {e.start + 1} are not UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
