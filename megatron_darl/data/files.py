@@ -119,6 +119,8 @@ def _livecodebench(row: dict[str, Any]) -> tuple[str, str, dict[str, Any], dict[
     return f"{content}\n\n{fmt}", "code", answer, meta
 
 
+JSON_KINDS = {"list": "array", "str": "string", "NoneType": "null", "int": "number", "float": "number",
+              "bool": "boolean"}
 FORMAT_READERS = {"gsm8k": _gsm8k, "math500": _math500, "aime24": _aime24, "livecodebench": _livecodebench}
 
 
@@ -205,7 +207,8 @@ class FileSource:
         if isinstance(row, RowError):
             raise row
         if not isinstance(row, dict):
-            raise RowError("not_an_object", f"row is a JSON {type(row).__name__}, not an object")
+            kind = JSON_KINDS.get(type(row).__name__, type(row).__name__)
+            raise RowError("not_an_object", f"row is a JSON {kind}, not an object")
         if self.format == "auto":
             try:  # the first row with a known field set decides for the whole file
                 self.format = detect_format(row)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+
+import pytest
 
 from megatron_darl.data.api import DataConfig
 from megatron_darl.data.sources import build_loader
@@ -87,3 +90,36 @@ def test_generated_source_rejections_are_logged_and_counted_when_drawn(demo_tok,
     assert len(names) == rejected  # every rejection named, not only the first
     assert all("reasoning_gym:chain_sum[seed=0,size=50][" in n and "prompt_too_long" in n for n in names)
     assert all(len(p.input_ids) <= 9 for p in drawn)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_model_on_the_probe_file_trains_and_reports_every_dropped_row(tmp_path):
+    """Issue 15.5 and 15.6 end to end: `darl-train` with the built-in demo model (warm start on
+    the file's answers) and the probe file finishes, its metrics count the 12 dropped rows and
+    the rollout manager's log names each with file:line."""
+    from e2e_harness import DarlRun, base_config, write_config
+
+    path, bad_lines = write_probe(tmp_path / "probe.jsonl")
+    run_dir = str(tmp_path / "run")
+    cfg = base_config(run_dir, "builtin:tiny-qwen3", train={"steps": 2, "sft_steps": 5},
+                      data={"source": f"jsonl:{path}", "format": "gsm8k", "prompt_template": "{question}",
+                            "chat_template": False, "max_prompt_tokens": 256, "eval_source": None})
+    cfg["model"] = {"hf_dir": "builtin:tiny-qwen3", "tokenizer": "builtin:demo"}
+    cfg["data"].pop("dataset_kwargs")
+    run = DarlRun(write_config(str(tmp_path / "darl.yaml"), cfg), run_dir, str(tmp_path / "run.out"))
+    try:
+        run.start()
+        code = run.wait(540)
+        out = run.output()
+    finally:
+        run.kill()
+    assert code == 0, out[-4000:]
+    assert os.path.isfile(os.path.join(run_dir, "summary.json"))
+    last = run.metrics()[-1]
+    assert last["rollout/prompts_rejected"] == 12, {k: v for k, v in last.items() if "rejected" in k}
+    assert last["rollout/prompts_rejected/invalid_utf8"] == 1 and last["rollout/prompts_rejected/prompt_too_long"] == 1
+    with open(os.path.join(run_dir, "logs", "rollout.log"), encoding="utf-8") as fh:
+        log = fh.read()
+    for line, reason in bad_lines.items():
+        assert f"{path}:{line}: {reason}" in log, (line, reason)
