@@ -256,3 +256,48 @@ def test_full_disk_fails_fast_with_the_cause_and_leaves_no_partial_checkpoint(tm
     assert "did not save its state within" not in out
     left = ns.seen()
     assert not [n for n in left if n.endswith(".tmp") or ".rollout.json" in n], left  # no partial checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, warm_model):
+    """A probe that held, kept as a test: kill -9 of the rollout manager after a checkpoint names
+    the process, leaves nothing behind, and `checkpoint.resume=auto` continues with every prompt
+    the manager had written trained once (the learner-kill variant is tests/integration/
+    test_e2e_resume.py, whose checks this reuses)."""
+    import signal
+
+    from e2e_harness import DarlRun, assert_nothing_left, new_run, role_pid, run_groups
+    from test_e2e_resume import STEPS, _resume_config, loader_sequence, newest_checkpoint
+
+    run = new_run(tmp_path, warm_model, "mgr", staleness={"max_head_offpolicyness": 1},
+                  train={"steps": STEPS}, checkpoint={"every_steps": 2, "keep_last": 2})
+    resumed = None
+    try:
+        run.start()
+        run.wait_for(lambda: len(run.ledger()) >= 3, 240, "3 trained steps (a checkpoint at step 2)")
+        run_id, groups = run.run_info()["run_id"], run_groups(run)
+        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager"), signal.SIGKILL)
+        code = run.wait(60)
+        out = run.output()
+        assert code != 0 and "process 'rollout' stopped with signal SIGKILL" in out, out[-3000:]
+        assert_nothing_left(run, run_id, groups)
+        ckpt_step, side = newest_checkpoint(run.run_dir)
+        assert leftovers(os.path.join(run.run_dir, "checkpoints")) == [
+            f"step_{s:08d}.rollout.json" for s in range(2, ckpt_step + 1, 2)][-2:]
+        cfg_path = _resume_config(run.config, os.path.join(run.run_dir, "darl_resume.yaml"))
+        resumed = DarlRun(cfg_path, run.run_dir, str(tmp_path / "resumed.out")).start()
+        assert resumed.wait(300) == 0, resumed.output()[-4000:]
+        assert_nothing_left(resumed, resumed.run_info()["run_id"])
+    finally:
+        run.kill()
+        if resumed is not None:
+            resumed.kill()
+    ledger = resumed.ledger()
+    assert [r["step"] for r in ledger] == list(range(STEPS)), ledger
+    trained = [u for r in ledger for u in r["prompt_ids"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    drawn, inflight = side["counters"]["prompts_drawn"], {e["uid"] for e in side["episodes"]}
+    written = set(loader_sequence(cfg_path, len(trained) + 4 * 8)[:drawn]) - inflight
+    assert len(written) == side["counters"]["groups_written"]
+    assert written <= set(trained), f"lost across the kill: {sorted(written - set(trained))}"
