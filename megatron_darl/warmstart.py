@@ -56,22 +56,37 @@ def reference_answer(prompt: Any) -> str:
 
 
 def preflight(cfg: RunConfig) -> list[str]:
-    """Before start: the warm start of the built-in model trains on reference answers, so its
-    source must have them (code tasks and custom files without data.answer_field do not)."""
-    if cfg.model.hf_dir != BUILTIN_MODEL or cfg.train.sft_steps == 0 or cfg.data.missing_files():
+    """Before start, for the built-in model on a file source: its warm start trains on reference
+    answers, so the rows must have them (code tasks and custom files without data.answer_field do
+    not), and its tokenizer (the demo's character set) must encode some of them. Generated
+    (reasoning-gym) tasks have both by construction."""
+    if cfg.model.hf_dir != BUILTIN_MODEL or cfg.data.missing_files():
         return []
-    from megatron_darl.data.sources import build_source
+    from megatron_darl.data.sources import build_loader, build_source
+    from megatron_darl.data.tokenizers import load_tokenizer
 
     try:
-        record = build_source(cfg.data, "train").record(0)
+        source = build_source(cfg.data, "train")
     except (ValueError, OSError):
         return []  # the data checks report why the source cannot be read
-    if record.task == "procedural" or record.answer.get("ground_truth") not in (None, ""):
+    if getattr(source, "lazy", False):
         return []
-    return [f"train.sft_steps={cfg.train.sft_steps}: the warm start of {BUILTIN_MODEL} trains on reference "
-            f"answers, and data.source={cfg.data.source} has none ({record.where} is a {record.task} task "
-            f"without a ground truth); use a reasoning_gym task or a math file with answers, or set "
-            f"train.sft_steps=0 (a random model)"]
+    record = source.record(0)
+    if cfg.train.sft_steps > 0 and record.answer.get("ground_truth") in (None, ""):
+        return [f"train.sft_steps={cfg.train.sft_steps}: the warm start of {BUILTIN_MODEL} trains on reference "
+                f"answers, and data.source={cfg.data.source} has none ({record.where} is a {record.task} task "
+                f"without a ground truth); use a reasoning_gym task or a math file with answers, or set "
+                f"train.sft_steps=0 (a random model)"]
+    tokenizer = cfg.model.tokenizer or "builtin:demo"
+    quiet = logging.getLogger(f"{__name__}.preflight")  # the run names each bad row when it starts
+    quiet.propagate = False
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())  # without one, logging's last resort prints them
+    try:
+        build_loader(cfg.data, load_tokenizer(tokenizer), logger=quiet, progress=False)
+    except ValueError as e:
+        return [f"data.source: {BUILTIN_MODEL} with tokenizer {tokenizer} cannot use this data: {e}"]
+    return []
 
 
 def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:

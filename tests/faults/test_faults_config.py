@@ -106,3 +106,12 @@ def test_builtin_demo_model_without_reference_answers_is_refused_before_start(tm
     cfg = demo_with_file(tmp_path, source.format(custom=custom), *extra)
     problems = preflight(cfg)
     assert any("train.sft_steps" in p and "reference answer" in p for p in problems), problems
+
+
+def test_builtin_demo_model_on_rows_its_tokenizer_cannot_encode_is_refused_before_start(tmp_path):
+    data = tmp_path / "zh.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} 加 {a} 等于多少？", "answer": f"#### {2 * a}"}) + "\n"
+                            for a in range(5)), encoding="utf-8")
+    problems = preflight(demo_with_file(tmp_path, f"jsonl:{data}"))
+    assert any("builtin:demo cannot use this data" in p and "unknown_characters=5" in p and f"{data}:1" in p
+               for p in problems), problems
