@@ -237,7 +237,10 @@ def _override_patch(key: str, raw: str) -> Any:
     if raw in ("null", "~"):
         value = None  # refused by a key that is not optional, with the key named
     elif len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
-        value = yaml.safe_load(raw)  # a quoted YAML string: its quotes and escapes are YAML's
+        try:
+            value = yaml.safe_load(raw)  # a quoted YAML string: its quotes and escapes are YAML's
+        except yaml.YAMLError:
+            value = raw  # quotes that are part of the text ("a" or "b")
     patch = OmegaConf.create()
     OmegaConf.update(patch, key, value, force_add=True)
     return patch

@@ -28,6 +28,7 @@ DEMO = os.path.join(ROOT, "configs", "cpu_demo_darl.yaml")
     ("'{question}'", "{question}"),  # quoted as in YAML: the quotes are removed
     ('"Solve: {question}\\n"', "Solve: {question}\n"),
     ("{question} = ? [{level}]", "{question} = ? [{level}]"),
+    ('"a" or "{question}"', '"a" or "{question}"'),  # quotes that are part of the text
     ("", ""),
 ])
 def test_template_overrides_take_the_text_as_typed(typed, value):
