@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -177,6 +179,8 @@ def _explain(exc: OmegaConfBaseException, where: str) -> str:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return f"unknown key {key!r} ({where}).{hint} Allowed keys here: {', '.join(allowed)}"
     msg = str(exc).split("\n")[0]
+    if "Interpolation" in type(exc).__name__:
+        msg += " (`${...}` refers to another key; write a literal `${` as `\\${`)"
     return f"bad value for {key!r} ({where}): {msg}"
 
 
@@ -197,13 +201,59 @@ def _merge_file(schema: Any, path: str) -> Any:
         raise ConfigError(_explain(exc, f"{path}:{lines.get(key, '?')}")) from None
 
 
+def _key_type(full_key: str) -> Any:
+    """The declared type of a dotted key (`data.prompt_template` -> str), or None when the key is
+    not a dataclass field (a dict entry such as `data.dataset_kwargs.min_terms`, or unknown)."""
+    node: Any = RunConfig
+    hint: Any = None
+    for part in full_key.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return None
+        hint = node = hints[part]
+    return hint
+
+
+def _is_text(hint: Any) -> bool:
+    """str or Optional[str]."""
+    return hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                           and set(typing.get_args(hint)) == {str, type(None)})
+
+
+def _override_patch(key: str, raw: str) -> Any:
+    """One override as a config to merge. A text key takes the text as typed (`{question}`,
+    `Q: {question} A:` are templates, not YAML mappings), quotes removed, `null` for None where
+    allowed; `${other.key}` stays an interpolation. Other keys parse as YAML values."""
+    hint = _key_type(key)
+    if hint is None or not _is_text(hint):
+        try:
+            return OmegaConf.from_dotlist([f"{key}={raw}"])
+        except yaml.YAMLError as exc:
+            detail = " ".join(str(exc).split())
+            raise ConfigError(f"override {key}={raw!r}: the value is not valid YAML ({detail})") from None
+    value: Any = raw
+    if raw in ("null", "~"):
+        value = None  # refused by a key that is not optional, with the key named
+    elif len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        try:
+            value = yaml.safe_load(raw)  # a quoted YAML string: its quotes and escapes are YAML's
+        except yaml.YAMLError:
+            value = raw  # quotes that are part of the text ("a" or "b")
+    patch = OmegaConf.create()
+    OmegaConf.update(patch, key, value, force_add=True)
+    return patch
+
+
 def _merge_overrides(cfg: Any, overrides: list[str]) -> Any:
     for item in overrides:
         text = item[1:] if item.startswith("+") else item  # Hydra's "add key" prefix, accepted
         if "=" not in text or text.startswith("="):
             raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. replay.k=4")
+        key, _, raw = text.partition("=")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([text]))
+            cfg = OmegaConf.merge(cfg, _override_patch(key.strip(), raw))
         except OmegaConfBaseException as exc:
             raise ConfigError(_explain(exc, f"command-line override {item!r}")) from None
     return cfg
@@ -248,7 +298,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def preflight(cfg: RunConfig) -> list[str]:
     """Checks against this machine before a run starts (not part of validation, so that any
-    recipe prints with --print-config anywhere): model folder and data files exist."""
+    recipe prints with --print-config anywhere): model folder and data files exist, and what
+    `_run_preflight` checks."""
     errors = [f"data.{k}: {m}" for k, m in cfg.data.missing_files()]
     hf = cfg.model.hf_dir
     if not hf.startswith("builtin:") and not os.path.isfile(os.path.join(hf, "config.json")):
@@ -256,11 +307,41 @@ def preflight(cfg: RunConfig) -> list[str]:
     tok = cfg.model.tokenizer
     if tok and not tok.startswith("builtin:") and not os.path.isdir(tok):
         errors.append(f"model.tokenizer: folder not found: {tok!r}")
+    errors += _run_preflight(cfg)
     return errors
 
 
+def _run_preflight(cfg: RunConfig) -> list[str]:
+    """Data, warm start and run folders, checked before anything starts: the data sources read
+    and their records fit `data.prompt_template`, the built-in model's warm start has reference
+    answers, and the run and checkpoint folders take files (a probe file, not permission bits)."""
+    from megatron_darl import warmstart
+    from megatron_darl.data.sources import preflight as data_preflight
+    from megatron_darl.resume import writable_problem
+
+    errors = data_preflight(cfg.data) + warmstart.preflight(cfg)
+    for key, folder, what in (("train.run_dir", cfg.train.run_dir, "run folder"),
+                              ("checkpoint.dir", cfg.checkpoint_dir, "checkpoint folder")):
+        problem = writable_problem(folder, what, create=False)
+        if problem:
+            errors.append(f"{key}: {problem}")
+    return errors
+
+
+def _escape_interpolations(value: Any) -> Any:
+    """Resolved text that contains a literal `${` (written `\\${` by the user) keeps its escape, so
+    that the saved config loads back to the same value instead of an interpolation."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, dict):
+        return {k: _escape_interpolations(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_interpolations(v) for v in value]
+    return value
+
+
 def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(_escape_interpolations(dataclasses.asdict(cfg))))
 
 
 def save_resolved(cfg: RunConfig, run_dir: str | None = None) -> str:

@@ -7,6 +7,9 @@ pauses the engines, has them load it through `/update_weights_from_disk`, and re
 is in /dev/shm for embedded engines on this node (the shared-memory path: no disk write) and on
 a shared filesystem for SGLang servers. Old versions are deleted once every engine serves a
 newer one (the manager reports that in its status), keeping at most `keep` folders.
+Every exported tensor is checked finite before the notice names the folder: a NaN or Inf stops
+the run with `NonFiniteWeights` naming the tensors and the version, instead of engines serving
+garbage (an engine accepts such a file and then answers with NaN log-probs).
 What it is not: the export itself (`learner.export_hf`) or the engines' loading code.
 """
 
@@ -21,6 +24,41 @@ from megatron_darl.rollout.weight_notice import WeightNotice, publish_notice, re
 from megatron_darl.types import WeightVersion
 
 
+class NonFiniteWeights(RuntimeError):
+    """The learner's new weights hold NaN or Inf: the run stops instead of poisoning the engines."""
+
+    def __init__(self, version: int, bad: list[tuple[str, int, int, int]]):
+        shown = "; ".join(f"{name}: {nan} NaN, {inf} Inf of {numel} values" for name, nan, inf, numel in bad[:5])
+        more = f" (and {len(bad) - 5} more tensors)" if len(bad) > 5 else ""
+        super().__init__(
+            f"weight version {version} (the policy after {version} train steps) has non-finite values in "
+            f"{len(bad)} tensor(s): {shown}{more}. It was not published: no engine loads it. Training diverged "
+            f"at or before this step (see train/loss and train/grad_norm in metrics.jsonl); resume from the last "
+            f"checkpoint with a lower optim.lr or a tighter optim.grad_clip")
+        self.version, self.bad = version, bad
+
+
+def nonfinite_tensors(folder: str) -> list[tuple[str, int, int, int]]:
+    """(name, NaN count, Inf count, size) of every floating-point tensor of the safetensors
+    files in `folder` that is not entirely finite, in file and name order."""
+    import torch
+    from safetensors import safe_open
+
+    bad = []
+    for fname in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, fname), framework="pt") as fh:
+            for name in sorted(fh.keys()):
+                t = fh.get_tensor(name)
+                if not t.is_floating_point():
+                    continue
+                t = t.float() if t.element_size() == 1 else t  # fp8: isnan/isinf need a wider type
+                finite = torch.isfinite(t)
+                if not bool(finite.all()):
+                    nan = int(torch.isnan(t).sum())
+                    bad.append((name, nan, int((~finite).sum()) - nan, t.numel()))
+    return bad
+
+
 class Publisher:
     def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, kind: str, keep: int = 3):
         self.learner, self.root, self.kind, self.keep = learner, root, kind, keep
@@ -33,10 +71,16 @@ class Publisher:
         return os.path.join(self.root, f"v{version}")
 
     def publish(self, version: int) -> None:
+        """Export version `version` and announce it; `NonFiniteWeights` (nothing announced, the
+        folder removed) when any exported tensor holds NaN or Inf."""
         t0 = time.perf_counter()
         out = self.folder(version)
         self.learner.export_hf(out)  # collective: every rank takes part, the main rank writes
         if self.learner.is_main:
+            bad = nonfinite_tensors(out)
+            if bad:  # checked on the files engines would load, before any engine is told of them
+                shutil.rmtree(out, ignore_errors=True)
+                raise NonFiniteWeights(version, bad)
             size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
             self.notify(WeightVersion(version=version, kind=self.kind, location=out, num_bytes=size))
             self._collect_garbage(version)

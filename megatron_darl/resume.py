@@ -10,19 +10,24 @@ its state, the manager answers with the number of groups it has written so far, 
 takes exactly that many groups' records from the ring before saving. Every prompt then is
 either in the replay state (generated) or in the manager's state (to generate again), never
 both and never neither, whatever moment the run is killed at.
+A save that fails (folder not writable, disk full, the manager's own write failing) raises
+`CheckpointError` with that cause at once and removes its partial files (`step_N.tmp`, the
+sidecar, the manager's answer); the previous checkpoints stay intact.
 What it is not: the learner's own checkpoint format (`learner/checkpoint.py`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from typing import Any, Callable
 
-from megatron_darl.rollout.weight_notice import read_json, read_status
+from megatron_darl.rollout.weight_notice import RolloutStatus, read_json
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -50,6 +55,11 @@ def rollout_sidecar(ckpt: str) -> str:
     return ckpt.rstrip("/") + ".rollout.json"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be written, with the real cause (folder not writable, no space
+    left on the device, the rollout manager's own error) in the message."""
+
+
 class RunCheckpointer:
     def __init__(self, learner: Any, feed: Any, publisher: Any, ckpt_dir: str, status_path: str,
                  group_size: int, keep_last: int, alive: Callable[[], None]):
@@ -67,32 +77,49 @@ class RunCheckpointer:
         return int(extra["step"])
 
     def save(self, step: int, timeout_s: float = 600.0) -> str:
-        """Checkpoint after `step` steps (collective: every learner rank calls it)."""
+        """Checkpoint after `step` steps (collective: every learner rank calls it). A failure on
+        the main rank raises `CheckpointError` naming its cause and leaves no partial files."""
         path = os.path.join(self.dir, f"step_{step:08d}")
         extra: dict[str, Any] = {"step": step}
-        if self.learner.is_main:
-            os.makedirs(self.dir, exist_ok=True)
-            sidecar = rollout_sidecar(path)
-            state = self._rollout_state(sidecar, timeout_s)
-            self.feed.drain_to(written_groups(state) * self.group_size, step, self.alive, timeout_s)
-            extra["feed"] = self.feed.state_dict()
-        self.learner.save(path, extra)
+        try:
+            if self.learner.is_main:
+                remove_leftovers(self.dir)  # of a save that was killed midway
+                problem = writable_problem(self.dir, "checkpoint folder")
+                if problem:  # before the manager is asked to write there
+                    raise CheckpointError(problem)
+                state = self._rollout_state(rollout_sidecar(path), timeout_s)
+                self.feed.drain_to(written_groups(state) * self.group_size, step, self.alive, timeout_s)
+                extra["feed"] = self.feed.state_dict()
+            self.learner.save(path, extra)
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            if not self.learner.is_main:
+                raise
+            free = _free_bytes(self.dir)  # before the cleanup frees what the failed save wrote
+            remove_leftovers(self.dir)
+            if isinstance(exc, (CheckpointError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(_explain_failure(path, exc, free)) from exc
         if self.learner.is_main:
             self._prune()
         return path
 
     def _rollout_state(self, sidecar: str, timeout_s: float) -> dict:
-        """Ask the manager to write its state to `sidecar`; wait for its answer."""
+        """Ask the manager to write its state to `sidecar`; wait for its answer, or its error."""
         request = sidecar + f".{time.time_ns()}"  # a new path is a new request
         self.publisher.notify(state_request=request)
         t0 = time.monotonic()
         while True:
-            status = read_status(self.status_path)
+            raw = read_json(self.status_path)
+            status = RolloutStatus.from_json(raw, self.status_path) if raw is not None else None
             if status is not None and status.state_path == request and os.path.isfile(request):
                 break
+            error = raw.get("error") if isinstance(raw, dict) else None  # the manager's failure, e.g. its write
+            if error:
+                raise CheckpointError(f"the rollout manager could not save its state to {request}: {error}")
             self.alive()
             if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"the rollout manager did not save its state within {timeout_s} s")
+                raise TimeoutError(f"the rollout manager did not save its state within {timeout_s} s "
+                                   f"(asked for {request}; no error reported in {self.status_path})")
             time.sleep(0.05)
         state = read_json(request)
         written_groups(state)  # validates before the sidecar becomes part of a checkpoint
@@ -106,6 +133,81 @@ class RunCheckpointer:
             shutil.rmtree(old, ignore_errors=True)
             if os.path.exists(rollout_sidecar(old)):
                 os.unlink(rollout_sidecar(old))
+
+
+LEFTOVER = re.compile(r"^step_(\d{8})(\.tmp|\.old|\.rollout\.json|\.rollout\.json\.\d+)$")
+LOW_SPACE = 64 << 20  # bytes: a write that fails with less free than this failed for want of space
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def remove_leftovers(ckpt_dir: str) -> list[str]:
+    """Remove what an interrupted save leaves: `step_N.tmp` / `step_N.old` folders, the manager's
+    answered requests (`step_N.rollout.json.<ns>`) and sidecars without their checkpoint folder.
+    Complete checkpoints (`step_N` with its sidecar) are kept."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    removed = []
+    for name in os.listdir(ckpt_dir):
+        m = LEFTOVER.match(name)
+        if m is None:
+            continue
+        if m.group(2) == ".rollout.json" and os.path.isdir(os.path.join(ckpt_dir, f"step_{m.group(1)}")):
+            continue  # the sidecar of a complete checkpoint
+        path = os.path.join(ckpt_dir, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+        removed.append(path)
+    return removed
+
+
+def writable_problem(folder: str, what: str, create: bool = True) -> str | None:
+    """Why `folder` cannot take a file, or None. A probe file is written and removed: permission
+    bits do not bind root, a read-only mount or a full disk still do. Without `create`, a folder
+    that does not exist yet is judged by its nearest existing parent (nothing is left behind)."""
+    target = os.path.abspath(folder)
+    try:
+        if create:
+            os.makedirs(target, exist_ok=True)
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=target)
+        try:
+            os.write(fd, b"0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        via = "" if target == os.path.abspath(folder) else f" (its parent {target})"
+        if exc.errno in _NO_SPACE:
+            return f"no space left on device for the {what} {folder}{via}: {type(exc).__name__}: {exc}"
+        return f"{what} {folder} is not writable{via}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _free_bytes(folder: str) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _explain_failure(path: str, exc: BaseException, free: int | None) -> str:
+    """The cause of a failed save in words: a full disk often surfaces as an error without its
+    errno (torch's writer reports `unexpected pos ...`), so the free space decides too."""
+    codes = set()
+    e: BaseException | None = exc
+    while e is not None:
+        codes.add(getattr(e, "errno", None))
+        e = e.__cause__ or e.__context__
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    cause = f"{type(exc).__name__}: {lines[-1].strip() if lines else repr(exc)}"  # a worker's error: its last line
+    where = f"{free} bytes free on its filesystem" if free is not None else "free space unknown"
+    if codes & set(_NO_SPACE) or (free is not None and free < LOW_SPACE):
+        return f"no space left on device writing checkpoint {path} ({where}): {cause}"
+    if codes & set(_NOT_WRITABLE):
+        return f"checkpoint folder {os.path.dirname(path)} is not writable (writing {os.path.basename(path)}): {cause}"
+    return f"checkpoint {path} was not saved: {cause}"
 
 
 def written_groups(state: dict) -> int:

@@ -3,9 +3,11 @@
 What it is: `prepare_model(cfg)`, which resolves `model.hf_dir: builtin:tiny-qwen3` into a real
 Hugging Face folder under `<run_dir>/model`: a randomly initialised tiny Qwen3 (GQA, QK-norm,
 tied embeddings) sized to the tokenizer, then `train.sft_steps` of supervised training on the
-task's reference answers (prompt tokens masked out) so that RL starts from a policy that is
-sometimes right. The result is cached: a second run with the same settings reuses the folder
-(keyed by a hash of everything that shaped it).
+reference answers of the task (a reasoning-gym entry's answer, or a math file's ground truth;
+prompt tokens masked out) so that RL starts from a policy that is sometimes right. The result
+is cached: a second run with the same settings reuses the folder (keyed by a hash of everything
+that shaped it, the data file's size and time included). `preflight(cfg)` refuses, before
+start, a source without reference answers.
 What it is not: part of RL training. Any other `model.hf_dir` is returned unchanged.
 """
 
@@ -17,11 +19,12 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from megatron_darl.config import RunConfig
+    from megatron_darl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +43,62 @@ SFT_LR = 2e-3
 
 
 def reference_answer(prompt: Any) -> str:
-    """The ground-truth answer text of a prompt (procedural tasks carry it in their entry)."""
-    entry = prompt.answer.get("entry") if isinstance(prompt.answer, dict) else None
-    if not entry or "answer" not in entry:
-        raise ValueError(f"prompt {prompt.uid}: the supervised warm start needs a procedural task "
-                         f"with a reference answer (data.source=reasoning_gym:...)")
-    return str(entry["answer"])
+    """The ground-truth answer text of a prompt: a procedural entry's answer, or the
+    `ground_truth` of a math file row (GSM8K, MATH-500, AIME, custom with data.answer_field)."""
+    answer = prompt.answer if isinstance(prompt.answer, dict) else {}
+    entry = answer.get("entry")
+    if entry and "answer" in entry:
+        return str(entry["answer"])
+    if answer.get("ground_truth") not in (None, ""):
+        return str(answer["ground_truth"])
+    raise ValueError(f"prompt {prompt.uid}: the supervised warm start needs a reference answer "
+                     f"(a reasoning_gym task or a math file with answers)")
+
+
+def preflight(cfg: RunConfig) -> list[str]:
+    """Before start, for the built-in model on a file source: its warm start trains on reference
+    answers, so the rows must have them (code tasks and custom files without data.answer_field do
+    not), and its tokenizer (the demo's character set) must encode some of them. Generated
+    (reasoning-gym) tasks have both by construction."""
+    if cfg.model.hf_dir != BUILTIN_MODEL or cfg.data.missing_files():
+        return []
+    from megatron_darl.data.sources import build_loader, build_source
+    from megatron_darl.data.tokenizers import load_tokenizer
+
+    try:
+        source = build_source(cfg.data, "train")
+    except (ValueError, OSError):
+        return []  # the data checks report why the source cannot be read
+    if getattr(source, "lazy", False):
+        return []
+    record = source.record(0)
+    if cfg.train.sft_steps > 0 and record.answer.get("ground_truth") in (None, ""):
+        return [f"train.sft_steps={cfg.train.sft_steps}: the warm start of {BUILTIN_MODEL} trains on reference "
+                f"answers, and data.source={cfg.data.source} has none ({record.where} is a {record.task} task "
+                f"without a ground truth); use a reasoning_gym task or a math file with answers, or set "
+                f"train.sft_steps=0 (a random model)"]
+    tokenizer = cfg.model.tokenizer or "builtin:demo"
+    quiet = logging.getLogger(f"{__name__}.preflight")  # the run names each bad row when it starts
+    quiet.propagate = False
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())  # without one, logging's last resort prints them
+    try:
+        build_loader(cfg.data, load_tokenizer(tokenizer), logger=quiet, progress=False)
+    except ValueError as e:
+        return [f"data.source: {BUILTIN_MODEL} with tokenizer {tokenizer} cannot use this data: {e}"]
+    return []
 
 
 def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:
+    from megatron_darl.data.api import SourceSpec
+
+    spec = SourceSpec.parse(cfg.data.source)
+    stat = os.stat(spec.target) if spec.kind in ("jsonl", "parquet") else None  # an edited file: a new warm start
     key = {"tiny": TINY_QWEN3, "sft_steps": cfg.train.sft_steps, "seed": cfg.train.seed,
            "batch": SFT_BATCH, "lr": SFT_LR, "tokenizer": tok_dir, "data": {
                "source": cfg.data.source, "kwargs": dict(cfg.data.dataset_kwargs),
-               "template": cfg.data.prompt_template, "chat": cfg.data.chat_template, "seed": cfg.data.seed}}
+               "template": cfg.data.prompt_template, "chat": cfg.data.chat_template, "seed": cfg.data.seed,
+               "file": [stat.st_size, stat.st_mtime_ns] if stat else None}}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -80,6 +126,7 @@ def _pointing(cfg: RunConfig, model_dir: str, tok_dir: str) -> RunConfig:
 
 
 def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -> None:
+    import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from megatron_darl.data.sources import build_loader
@@ -111,6 +158,7 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
 def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int,
                      batch: int = SFT_BATCH, lr: float = SFT_LR) -> dict[str, float]:
     """Cross-entropy on answer tokens only (prompt masked), AdamW, a progress bar."""
+    import torch
     from tqdm import trange
 
     eos = tok.convert_tokens_to_ids("<|im_end|>")

@@ -24,6 +24,8 @@ import numpy as np
 TASKS = ("math", "procedural", "code")
 FORMATS = ("auto", "gsm8k", "math500", "aime24", "livecodebench", "custom")
 SOURCE_KINDS = ("reasoning_gym", "jsonl", "parquet", "humaneval")
+PROGRESS_ROWS = 5000  # validating a source this large shows a progress bar
+MAX_DETAIL = 300  # characters of a rejection's detail kept in the report (a 1 MB row is not copied)
 
 
 @dataclass(frozen=True)
@@ -179,39 +181,64 @@ class PromptError(ValueError):
 
 @dataclass
 class DataReport:
-    """Counts of rows read and rows rejected by reason, with the first `max_examples` rejections
-    located (file:line or dataset[index]), so nothing is dropped silently."""
+    """Counts of rows read and rows rejected by reason, with every rejection located (file:line
+    or dataset[index]), so nothing is dropped silently: `log` names each rejected row once,
+    `metrics` counts them for TensorBoard, `summary` (for error messages) shows the first
+    `max_examples`."""
 
     source: str
     rows: int = 0  # rows read (good and bad)
     bad: Counter = field(default_factory=Counter)  # reason -> count
-    examples: list[str] = field(default_factory=list)
+    rejections: list[str] = field(default_factory=list)  # "where: reason: detail", in the order found
     max_examples: int = 20
+    _logged: int = 0  # rejections already written to a log
 
     @property
     def num_bad(self) -> int:
         return sum(self.bad.values())
 
+    @property
+    def examples(self) -> list[str]:
+        return self.rejections[: self.max_examples]
+
     def add_bad(self, reason: str, where: str, detail: str) -> None:
         self.bad[reason] += 1
-        if len(self.examples) < self.max_examples:
-            self.examples.append(f"{where}: {reason}: {detail}")
+        detail = detail if len(detail) <= MAX_DETAIL else detail[:MAX_DETAIL] + "..."
+        self.rejections.append(f"{where}: {reason}: {detail}")
 
-    def summary(self) -> str:
+    def headline(self) -> str:
         head = f"data source {self.source}: {self.rows} rows read, {self.num_bad} rejected"
         if not self.bad:
             return head
-        reasons = ", ".join(f"{r}={c}" for r, c in sorted(self.bad.items()))
-        return "\n  ".join([f"{head} ({reasons}); first rejections:", *self.examples])
+        return f"{head} ({', '.join(f'{r}={c}' for r, c in sorted(self.bad.items()))})"
+
+    def summary(self) -> str:
+        if not self.bad:
+            return self.headline()
+        more = self.num_bad - len(self.examples)
+        tail = [f"... and {more} more (each named in the log)"] if more > 0 else []
+        return "\n  ".join([f"{self.headline()}; first rejections:", *self.examples, *tail])
 
     def log(self, logger: logging.Logger) -> None:
-        logger.log(logging.WARNING if self.bad else logging.INFO, "%s", self.summary())
+        """The counts, then every rejection not logged before, one line each."""
+        logger.log(logging.WARNING if self.bad else logging.INFO, "%s", self.headline())
+        for line in self.rejections[self._logged:]:
+            logger.warning("rejected row %s", line)
+        self._logged = len(self.rejections)
+
+    def metrics(self) -> dict[str, float]:
+        """`rollout/prompts_rejected` (all reasons) and `rollout/prompts_rejected/<reason>`."""
+        out = {"rollout/prompts_rejected": float(self.num_bad)}
+        out.update({f"rollout/prompts_rejected/{r}": float(c) for r, c in sorted(self.bad.items())})
+        return out
 
 
 @runtime_checkable
 class PromptSource(Protocol):
     """A finite, indexable set of prompt records. `name` identifies the set (kind, target, seed)
-    so a loader state is never applied to another source; `report` holds its bad rows."""
+    so a loader state is never applied to another source; `report` holds its bad rows. A source
+    whose records are generated on demand sets a class attribute `lazy = True`: its loader then
+    checks records as drawn instead of all at start."""
 
     name: str
     report: DataReport
@@ -225,7 +252,13 @@ class PromptLoader:
     """Draws prompts from a source in a seeded permutation per epoch, skipping (and reporting)
     records `encode` rejects. The state is (epoch, position): the permutation of an epoch is a
     pure function of (seed, epoch), so a loader restored from `state_dict()` yields exactly the
-    prompts not yet drawn, in the same order."""
+    prompts not yet drawn, in the same order.
+
+    With `validate` (sources that hold their rows: files, HumanEval) every record is encoded
+    once at construction, so every row the run will skip is counted and named before the first
+    draw. Generated sources (reasoning-gym makes entries on demand) are checked as they are
+    drawn; a rejection then is counted and logged with its location at once. Either way
+    `metrics()` counts every dropped row by reason."""
 
     def __init__(
         self,
@@ -235,6 +268,8 @@ class PromptLoader:
         seed: int = 0,
         shuffle: bool = True,
         logger: logging.Logger | None = None,
+        validate: bool = False,
+        progress: bool = False,
     ) -> None:
         if len(source) == 0:
             raise ValueError(f"data source {source.name} has no usable rows\n{source.report.summary()}")
@@ -243,6 +278,31 @@ class PromptLoader:
         self.epoch, self.position = 0, 0
         self._rejected: set[int] = set()  # indices counted as bad in this process (each row once, every epoch skips it)
         self._order = self._permutation(0)
+        if validate:
+            self._validate_all(progress)
+
+    def _validate_all(self, progress: bool) -> None:
+        indices: Any = range(len(self.source))
+        if progress and len(self.source) >= PROGRESS_ROWS:
+            from tqdm import tqdm
+
+            indices = tqdm(indices, desc=f"checking {self.source.name}", unit="row", mininterval=1.0)
+        for index in indices:
+            record = self.source.record(index)
+            try:
+                self.encode(record)
+            except PromptError as e:
+                self._reject(index, record, e)
+        if len(self._rejected) == len(self.source):
+            raise ValueError(f"data source {self.source.name} has no usable rows\n{self.source.report.summary()}")
+
+    def _reject(self, index: int, record: PromptRecord, error: PromptError) -> None:
+        self._rejected.add(index)
+        self.source.report.add_bad(error.reason, record.where, str(error))
+
+    def metrics(self) -> dict[str, float]:
+        """Rows dropped so far (read and encoding rejections), by reason: `rollout/prompts_rejected...`."""
+        return self.source.report.metrics()
 
     def _permutation(self, epoch: int) -> np.ndarray:
         n = len(self.source)
@@ -279,15 +339,14 @@ class PromptLoader:
         return out
 
     def _make(self, index: int) -> Prompt | None:
+        if index in self._rejected:
+            return None
         record = self.source.record(index)
         try:
             ids = self.encode(record)
         except PromptError as e:
-            if index not in self._rejected:
-                self._rejected.add(index)
-                if not self.source.report.bad:  # the first rejection is logged at once, the rest in summaries
-                    self.logger.warning("rejecting prompt %s: %s", record.where, e)
-                self.source.report.add_bad(e.reason, record.where, str(e))
+            self._reject(index, record, e)
+            self.source.report.log(self.logger)  # named in the log now, not only counted
             return None
         return Prompt(
             uid=self.epoch * len(self.source) + index,

@@ -5,7 +5,7 @@ MATH-500 (`problem`, `answer`, `subject`, `level`, `unique_id`), AIME24 (`proble
 `public_test_cases`, `private_test_cases`, `metadata`), or custom fields.
 
 What it is: `FileSource`, which reads a file once, keeps the good rows and counts every bad
-row (invalid JSON, not an object, missing field, empty prompt, undecodable value) in its
+row (not UTF-8, invalid JSON, not an object, missing field, empty prompt, undecodable value) in its
 `DataReport` with file and line, so a long run neither crashes nor drops rows silently.
 What it is not: a grader; the `answer` payloads are what the math and code graders consume.
 """
@@ -119,6 +119,8 @@ def _livecodebench(row: dict[str, Any]) -> tuple[str, str, dict[str, Any], dict[
     return f"{content}\n\n{fmt}", "code", answer, meta
 
 
+JSON_KINDS = {"list": "array", "str": "string", "NoneType": "null", "int": "number", "float": "number",
+              "bool": "boolean"}
 FORMAT_READERS = {"gsm8k": _gsm8k, "math500": _math500, "aime24": _aime24, "livecodebench": _livecodebench}
 
 
@@ -148,8 +150,15 @@ def _rows(path: Path, kind: str) -> Iterator[tuple[str, Any]]:
                 yield f"{path}:row {batch_start + i + 1}", row
         return
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:  # bytes: a line that is not UTF-8 is a bad row, not replaced text
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = raw[e.start:e.start + 4].hex(" ")
+                yield f"{path}:{lineno}", RowError("invalid_utf8",
+                                                   f"bytes {bad} at byte {e.start + 1} are not UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
@@ -198,7 +207,8 @@ class FileSource:
         if isinstance(row, RowError):
             raise row
         if not isinstance(row, dict):
-            raise RowError("not_an_object", f"row is a JSON {type(row).__name__}, not an object")
+            kind = JSON_KINDS.get(type(row).__name__, type(row).__name__)
+            raise RowError("not_an_object", f"row is a JSON {kind}, not an object")
         if self.format == "auto":
             try:  # the first row with a known field set decides for the whole file
                 self.format = detect_format(row)

@@ -21,6 +21,23 @@ class UnknownCharacters(PromptError):
     reason = "unknown_characters"
 
 
+def template_values(record: PromptRecord) -> dict[str, Any]:
+    """What `prompt_template` may name: {question} and the record's scalar metadata."""
+    values = {k: v for k, v in record.metadata.items() if isinstance(v, (str, int, float))}
+    values["question"] = record.question
+    return values
+
+
+def check_template(template: str, record: PromptRecord) -> None:
+    """ValueError naming the fields `template` uses that `record` lacks."""
+    values = template_values(record)
+    missing = [f for f in template_fields(template) if f not in values]
+    if missing:
+        raise ValueError(
+            f"prompt_template {template!r} uses {missing} but record {record.where} offers {sorted(values)}"
+        )
+
+
 class PromptFormatter:
     """Turns records into prompt token ids with one tokenizer.
 
@@ -51,6 +68,7 @@ class PromptFormatter:
         self.tokenizer, self.template, self.system_prompt = tokenizer, prompt_template, system_prompt
         self.use_chat, self.max_prompt_tokens = chat_template, max_prompt_tokens
         self.chat_kwargs = dict(chat_kwargs or {})  # e.g. {"enable_thinking": False} for Qwen3
+        self._longest: int | None = None
 
     @classmethod
     def from_config(cls, tokenizer: Any, cfg: DataConfig, **chat_kwargs: Any) -> PromptFormatter:
@@ -64,15 +82,8 @@ class PromptFormatter:
         )
 
     def user_message(self, record: PromptRecord) -> str:
-        values = {k: v for k, v in record.metadata.items() if isinstance(v, (str, int, float))}
-        values["question"] = record.question
-        missing = [f for f in self.fields if f not in values]
-        if missing:
-            raise ValueError(
-                f"prompt_template {self.template!r} uses {missing} but record {record.where} offers "
-                f"{sorted(values)}"
-            )
-        return self.template.format(**values)
+        check_template(self.template, record)
+        return self.template.format(**template_values(record))
 
     def render(self, record: PromptRecord) -> str:
         """The full prompt text, special tokens included."""
@@ -88,6 +99,9 @@ class PromptFormatter:
 
     def encode(self, record: PromptRecord) -> list[int]:
         text = self.render(record)
+        if len(text) > self.max_prompt_tokens * self._longest_token():  # cannot fit: skip encoding it
+            raise PromptTooLong(f"{len(text)} characters: more than max_prompt_tokens={self.max_prompt_tokens} "
+                                f"tokens of at most {self._longest_token()} characters")
         ids = list(self.tokenizer.encode(text, add_special_tokens=not self.use_chat))
         unk = self.tokenizer.unk_token_id
         if unk is not None and unk in ids:
@@ -95,6 +109,14 @@ class PromptFormatter:
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(f"{len(ids)} tokens > max_prompt_tokens={self.max_prompt_tokens}")
         return ids
+
+    def _longest_token(self) -> int:
+        """Characters the longest vocabulary entry spells (a byte-level entry's length is its byte
+        count, at least its character count): a text longer than max_prompt_tokens times this
+        has too many tokens, which a 1 MB row then shows without being encoded."""
+        if self._longest is None:
+            self._longest = max(len(t) for t in self.tokenizer.get_vocab())
+        return self._longest
 
     def _unknown_chars(self, text: str) -> list[str]:
         unk = self.tokenizer.unk_token_id

@@ -44,6 +44,7 @@ class ProceduralSource:
     in every process (reasoning-gym seeds each entry from seed + i)."""
 
     task = "procedural"
+    lazy = True  # entries are generated when drawn: the loader checks them then, not all at start
 
     def __init__(self, dataset: str, *, size: int, seed: int, dataset_kwargs: dict[str, Any] | None = None):
         kwargs = _plain(dict(dataset_kwargs or {}))

@@ -2,7 +2,7 @@
 eval split, and wires the tokenizer's prompt formatting into a `PromptLoader`.
 
 What it is: `build_source(cfg, split)` and `build_loader(cfg, tokenizer, split)`, the two calls the
-trainer and the evaluator make.
+trainer and the evaluator make, and `preflight(cfg)`, the data checks made before a run starts.
 What it is not: the sources themselves (`procedural.py`, `files.py`, `humaneval.py`).
 """
 
@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from megatron_darl.data.api import DataConfig, PromptLoader, PromptSource, SourceSpec
-from megatron_darl.data.formatting import PromptFormatter
+from megatron_darl.data.formatting import PromptFormatter, check_template
 from megatron_darl.data.procedural import EVAL_SEED_OFFSET
 
 SPLITS = ("train", "eval")
@@ -56,16 +56,38 @@ def build_loader(
     split: str = "train",
     *,
     logger: logging.Logger | None = None,
+    progress: bool = True,
     **chat_kwargs: Any,
 ) -> PromptLoader | None:
     """A loader over `build_source(cfg, split)` that formats through `tokenizer`; None when the
     split has no source. Train draws are shuffled per epoch; eval keeps the source order.
-    `chat_kwargs` add to (and override) `cfg.chat_kwargs`."""
+    Sources that hold their rows are checked whole now (every rejected row counted and named in
+    the log before the first draw); generated ones as drawn. `chat_kwargs` add to (and
+    override) `cfg.chat_kwargs`."""
     source = build_source(cfg, split)
     if source is None:
         return None
     logger = logger or logging.getLogger(__name__)
-    source.report.log(logger)
     formatter = PromptFormatter.from_config(tokenizer, cfg, **chat_kwargs)
     formatter.user_message(source.record(0))  # a template field the source lacks fails now, not mid-run
-    return PromptLoader(source, formatter.encode, seed=cfg.seed, shuffle=split == "train", logger=logger)
+    loader = PromptLoader(source, formatter.encode, seed=cfg.seed, shuffle=split == "train", logger=logger,
+                          validate=not getattr(source, "lazy", False), progress=progress)
+    source.report.log(logger)
+    return loader
+
+
+def preflight(cfg: DataConfig) -> list[str]:
+    """Before a run starts: every split's source can be built (files read, bad rows counted)
+    and `prompt_template` names only fields its records have. One message per problem."""
+    if cfg.missing_files():
+        return []  # reported by `DataConfig.missing_files`
+    errors = []
+    for split in SPLITS:
+        key = "eval_source" if split == "eval" and cfg.eval_source else "source"
+        try:
+            source = build_source(cfg, split)
+            if source is not None:
+                check_template(cfg.prompt_template, source.record(0))
+        except (ValueError, OSError) as e:
+            errors.append(f"data.{key} ({split} split): {e}")
+    return errors

@@ -610,7 +610,8 @@ class RolloutManager:
         write_status(self._status_path, RolloutStatus(
             version=self._version, groups_written=c["groups_written"], groups_filtered=c["filtered_groups"],
             state_path=self._state_answered,
-            metrics={f"rollout/{k}": float(v) for k, v in c.items()},
+            metrics={**{f"rollout/{k}": float(v) for k, v in c.items()},
+                     **getattr(self._prompts, "metrics", dict)()},  # data rows dropped (rollout/prompts_rejected)
         ))
 
     def _busy(self) -> float:

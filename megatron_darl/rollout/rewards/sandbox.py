@@ -140,6 +140,8 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate) -> None:
         "program": paths["program"],
         "report": paths["report"],
         "fallback_scratch": scratch,
+        # where the private /tmp is prepared before it is moved onto /tmp (inside our 0700 folder)
+        "stage": os.path.join(os.path.dirname(paths["spec"]), "private-tmp"),
         "isolate": bool(isolate),
         # installs the interpreter needs, made reachable inside a private mount namespace
         "expose": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),

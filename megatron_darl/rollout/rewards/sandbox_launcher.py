@@ -2,9 +2,10 @@
 
 What it is: the program `sandbox.run_sandboxed` starts as root (`python -I -S sandbox_launcher.py
 SPEC.json`) in a new session. It detaches from the host where the kernel allows (network, mount
-and PID namespaces), makes every mount read-only and gives the program a fresh tmpfs scratch
-folder, then forks the program's process, which sets resource limits, drops to a dedicated
-unprivileged uid and execs Python with a scrubbed environment. Its exit status is the program's
+and PID namespaces), makes every mount read-only and gives the program a fresh tmpfs /tmp (the
+interpreter bound into it read-only when it lives under /tmp) with a scratch folder, then forks
+the program's process, which sets resource limits, drops to a dedicated unprivileged uid and
+execs Python with a scrubbed environment. Its exit status is the program's
 (128 + signal when a signal ended it), and it writes what isolation it achieved to a report file.
 What it is not: importable library code (stdlib only, no package imports, so it starts fast and
 runs without the package on the path), nor a defence against kernel exploits.
@@ -86,13 +87,20 @@ def _mount_points() -> list[tuple[str, int]]:
     return points
 
 
+def _under_tmp(path: str) -> bool:
+    return path == "/tmp" or path.startswith("/tmp/")
+
+
 def _private_filesystem(libc, spec: dict) -> bool:
     """Make every mount read-only in our mount namespace and put a fresh tmpfs on /tmp, with
-    the scratch folder the only place the program's uid may write. Not when the interpreter's
-    install lies under /tmp (a virtualenv there): the private /tmp would hide it, so the program
-    keeps the host's filesystem behind the uid drop and the audit hooks instead."""
-    if any(p == "/tmp" or p.startswith("/tmp/") for p in spec["expose"]):
-        return False  # checked before anything is mounted: the fallback needs the host's /tmp
+    the scratch folder the only place the program's uid may write. The tmpfs is prepared at
+    `spec["stage"]` (a root-only folder of the host's) and moved onto /tmp when ready, so that
+    an interpreter installed under /tmp (a virtualenv there) is bound into it read-only at its
+    own path first: the program and every process it starts see only the private /tmp."""
+    if "/tmp" in spec["expose"]:
+        return False  # an interpreter whose prefix is /tmp itself: no private /tmp can hold it
+    stage = spec["stage"]
+    os.mkdir(stage, 0o700)  # on the host's /tmp, before it is made read-only
     if not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
         return False
     for point, flags in _mount_points():
@@ -100,12 +108,25 @@ def _private_filesystem(libc, spec: dict) -> bool:
         # still keeps the program out of everything but world-writable folders
         _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
     size = f"size={max(1, int(spec['max_file_mb']))}m,mode=755"
-    if not _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size):
+    if not _mount(libc, "tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, size):
         return False
-    os.mkdir(SCRATCH, 0o700)
+    os.mkdir(stage + SCRATCH[len("/tmp"):], 0o700)
+    for path in spec["expose"]:
+        if _under_tmp(path) and not _bind_read_only(libc, path, stage + path[len("/tmp"):]):
+            return False
+    if not _mount(libc, stage, "/tmp", None, MS_MOVE):
+        return False
     for i, path in enumerate(spec["expose"]):
         _expose(libc, path, f"/tmp/.stage{i}")
     return True
+
+
+def _bind_read_only(libc, source: str, target: str) -> bool:
+    """Bind `source` (and the mounts under it) at `target`, read-only; the folders created on
+    the way are open to traversal, whatever the host's (a 0700 mkdtemp folder) are."""
+    os.makedirs(target, 0o755)
+    return (_mount(libc, source, target, None, MS_BIND | MS_REC)
+            and _mount(libc, None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY))
 
 
 def _closed_parent(path: str) -> str | None:

@@ -1,0 +1,95 @@
+"""Issue 15.9: generated code and every process it starts stay out of the host's /tmp.
+
+The probe: with the Python interpreter in a virtualenv under /tmp (common in CI and containers),
+the sandbox skipped its private /tmp (the tmpfs would have hidden the interpreter) and relied on
+audit hooks, which guard only the program's own process: a child process it started wrote the
+host's /tmp. Now the interpreter is bound read-only into the private /tmp at its own path. The
+test makes a real virtualenv under /tmp, runs the sandbox from its interpreter, and has the
+program's child process write (and read) the host's /tmp: neither may reach it.
+Root only (the sandbox drops privileges); skipped where the machine refuses mount namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges, which needs root")
+
+CHILD = """
+import os, subprocess, sys
+marker, secret = MARKER, SECRET
+child = '''
+import sys
+try:
+    open(sys.argv[1], "w").write("escaped")
+    print("wrote", sys.argv[1])
+except OSError as e:
+    print("write refused:", type(e).__name__)
+try:
+    print("read", open(sys.argv[2]).read())
+except OSError as e:
+    print("read refused:", type(e).__name__)
+'''
+out = subprocess.run([sys.executable, "-c", child, marker, secret], capture_output=True, text=True)
+print(out.stdout + out.stderr)
+print("prefix", sys.prefix)
+"""
+
+DRIVER = """
+import json, sys
+from megatron_darl.rollout.rewards.sandbox import SandboxLimits, run_sandboxed
+program, out = sys.argv[1:3]
+r = run_sandboxed(open(program).read(), "", SandboxLimits(cpu_s=10, wall_s=60, memory_mb=1024, max_procs=16))
+json.dump({"status": r.status, "isolation": list(r.isolation), "stdout": r.stdout, "stderr": r.stderr}, open(out, "w"))
+"""
+
+
+@pytest.fixture
+def tmp_venv():
+    """A virtualenv under the host's /tmp whose interpreter sees this package (system site)."""
+    root = tempfile.mkdtemp(prefix="darl-venv-", dir="/tmp")  # 0700, as CI's temporary folders are
+    try:
+        venv = os.path.join(root, "venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv], check=True)
+        yield os.path.join(venv, "bin", "python")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_child_of_sandboxed_code_cannot_write_or_read_host_tmp_with_a_tmp_virtualenv(tmp_venv, tmp_path):
+    marker = f"/tmp/darl-escape-{secrets.token_hex(6)}"
+    secret = f"/tmp/darl-secret-{secrets.token_hex(6)}"
+    with open(secret, "w") as fh:
+        fh.write("host data")
+    os.chmod(secret, 0o644)  # readable by any uid on the host: only the private /tmp hides it
+    program, driver, out = tmp_path / "program.py", tmp_path / "driver.py", tmp_path / "out.json"
+    program.write_text(CHILD.replace("MARKER", repr(marker)).replace("SECRET", repr(secret)))
+    driver.write_text(DRIVER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), REPO) if p))
+    try:
+        done = subprocess.run([tmp_venv, str(driver), str(program), str(out)], env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(out.read_text())
+        assert not os.path.exists(marker), f"a child of the sandboxed program wrote the host's /tmp: {result}"
+    finally:
+        for path in (marker, secret):
+            if os.path.exists(path):
+                os.unlink(path)
+    assert result["status"] == "ok", result
+    assert f"prefix {os.path.dirname(os.path.dirname(tmp_venv))}" in result["stdout"]  # it ran in the venv
+    assert "write refused" in result["stdout"] and "read refused" in result["stdout"], result
+    assert "host data" not in result["stdout"]
+    assert set(result["isolation"]) == {"net", "mount", "pid"}

@@ -1,0 +1,123 @@
+"""Issue 15.3 (learner side): what the learner publishes is checked finite before any engine loads it.
+
+The probe: an engine accepts a well-formed safetensors file of NaNs (`success: true`) and then
+answers with NaN log-probs. The learner must never announce such weights: a publish whose export
+holds NaN or Inf raises, naming the tensor and the version, leaves the weight notice as it was
+(the engines keep the last good version) and removes the folder. Shown with a stand-in learner
+(exact control of which tensor is bad) and with the real Megatron-Core learner, whose parameter
+is set to NaN before its real export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron_darl.publication import Publisher
+from megatron_darl.rollout.weight_notice import read_notice
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+class ExportingLearner:
+    """Exports an HF-named folder as learner.export_hf does; `poison` names tensors to spoil."""
+
+    is_main = True
+
+    def __init__(self):
+        self.poison: dict[str, float] = {}
+
+    def export_hf(self, out: str) -> None:
+        torch.manual_seed(0)
+        tensors = {"model.embed_tokens.weight": torch.randn(16, 8, dtype=torch.bfloat16),
+                   "model.layers.0.mlp.down_proj.weight": torch.randn(8, 8),
+                   "model.layers.1.mlp.down_proj.weight": torch.randn(8, 8),
+                   "model.norm.weight": torch.ones(8)}
+        for name, value in self.poison.items():
+            tensors[name].view(-1)[3] = value
+        os.makedirs(out, exist_ok=True)
+        items = list(tensors.items())
+        save_file(dict(items[:2]), os.path.join(out, "model-00001.safetensors"))  # sharded, as the export is
+        save_file(dict(items[2:]), os.path.join(out, "model-00002.safetensors"))
+        with open(os.path.join(out, "config.json"), "w") as fh:
+            json.dump({"model_type": "qwen3"}, fh)
+
+
+def publisher(tmp_path, learner) -> Publisher:
+    return Publisher(learner, str(tmp_path / "weights"), str(tmp_path / "notice.json"),
+                     str(tmp_path / "status.json"), "disk")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"])
+def test_non_finite_export_is_not_published_and_names_tensor_and_version(tmp_path, name, bad):
+    learner = ExportingLearner()
+    pub = publisher(tmp_path, learner)
+    pub.publish(1)
+    assert read_notice(str(tmp_path / "notice.json")).weights.version == 1
+    learner.poison = {name: bad}
+    with pytest.raises(RuntimeError) as exc:
+        pub.publish(2)
+    msg = str(exc.value)
+    assert name in msg and "weight version 2" in msg and "not published" in msg, msg
+    assert ("1 NaN" if bad != bad else "1 Inf") in msg
+    notice = read_notice(str(tmp_path / "notice.json"))
+    assert notice.weights.version == 1 and notice.weights.location == pub.folder(1)  # engines keep v1
+    assert not os.path.exists(pub.folder(2))  # nothing an engine could load by mistake
+    learner.poison = {}
+    pub.publish(3)  # a finite export after it publishes again
+    assert read_notice(str(tmp_path / "notice.json")).weights.version == 3
+
+
+REAL = r"""
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import torch
+from learner_worker import make_learner, tiny_qwen3
+from megatron_darl.publication import Publisher
+from megatron_darl.rollout.weight_notice import read_notice
+work = sys.argv[1]
+learner = make_learner(tiny_qwen3(work + "/hf"), 1, 1)
+pub = Publisher(learner, work + "/weights", work + "/notice.json", work + "/status.json", "disk")
+pub.publish(0)
+name, param = [(n, p) for n, p in learner.chunks[0].named_parameters() if "linear_fc2" in n][0]
+with torch.no_grad():
+    param.view(-1)[5] = float("nan")
+try:
+    pub.publish(1)
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+out = {"error": error, "notice_version": read_notice(work + "/notice.json").weights.version}
+learner.close()
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_real_learner_with_a_nan_parameter_does_not_publish(tmp_path):
+    script, result = tmp_path / "real.py", tmp_path / "result.json"
+    script.write_text(REAL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), REPO) if p)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(result),
+                           os.path.join(REPO, "tests", "unit", "learner")],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(result.read_text())
+    assert out["error"] is not None, "NaN weights were published"
+    # the exported (Hugging Face) name of layer 0's MLP output projection, and the version
+    assert "model.layers.0.mlp.down_proj.weight: 1 NaN" in out["error"] and "weight version 1" in out["error"]
+    assert out["notice_version"] == 0
