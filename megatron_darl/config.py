@@ -248,7 +248,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def preflight(cfg: RunConfig) -> list[str]:
     """Checks against this machine before a run starts (not part of validation, so that any
-    recipe prints with --print-config anywhere): model folder and data files exist."""
+    recipe prints with --print-config anywhere): model folder and data files exist, the model's
+    shapes fit the parallel layout and the learner fits in GPU memory."""
     errors = [f"data.{k}: {m}" for k, m in cfg.data.missing_files()]
     hf = cfg.model.hf_dir
     if not hf.startswith("builtin:") and not os.path.isfile(os.path.join(hf, "config.json")):
@@ -256,7 +257,9 @@ def preflight(cfg: RunConfig) -> list[str]:
     tok = cfg.model.tokenizer
     if tok and not tok.startswith("builtin:") and not os.path.isdir(tok):
         errors.append(f"model.tokenizer: folder not found: {tok!r}")
-    return errors
+    from megatron_darl.learner.preflight import learner_preflight  # layout and memory plan
+
+    return errors + learner_preflight(cfg)
 
 
 def to_yaml(cfg: RunConfig) -> str:
