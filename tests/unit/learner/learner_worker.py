@@ -270,6 +270,46 @@ def scenario_allocations(args: dict) -> dict:
     return out
 
 
+def token_batch(rows: list[list[int]]):
+    """A TrainBatch holding `rows` (right-padded with 0), every token after the first scored."""
+    from megatron_darl.types import TrainBatch
+
+    b, width = len(rows), max(len(r) for r in rows)
+    tokens = np.zeros((b, width), np.int64)
+    lengths = np.array([len(r) for r in rows], np.int64)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.float32)
+    mask[:, 0] = 0
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=np.zeros(b, np.float32),
+                      behav_logprobs=np.zeros((b, width), np.float32),
+                      token_versions=np.where(mask > 0, 0, -1).astype(np.int64), versions=np.zeros(b, np.int64),
+                      group_index=np.arange(b, dtype=np.int64), rewards=np.zeros(b, np.float32),
+                      prompt_ids=np.arange(b, dtype=np.int64))
+
+
+def scenario_architectures(args: dict) -> dict:
+    """Learner log-probs (fp32, temperature 1) of each model at TP = world size, in turn."""
+    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    import torch.distributed as dist
+
+    out = {}
+    for name, spec in args["models"].items():
+        world = int(os.environ["WORLD_SIZE"])
+        learner = MegatronLearner(ModelConfig(hf_dir=spec["hf_dir"], dtype="fp32"), ParallelConfig(tp=world),
+                                  OptimConfig(), LearnerConfig(micro_batch_tokens=4096),
+                                  AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", recompute_proximal=False))
+        batch = learner.broadcast_batch(token_batch(spec["tokens"]) if learner.is_main else None)
+        out[name] = {"logprobs": learner.compute_logprobs(batch).tolist(),
+                     "heads_per_rank": learner.chunks[0].config.num_attention_heads // world}
+        learner.close(keep_world=name != list(args["models"])[-1])
+        if name != list(args["models"])[-1]:
+            dist.barrier()
+    return out
+
+
 def scenario_gpu(args: dict) -> dict:
     """One CUDA rank: the given spec/dtype/FP8 recipe, distributed optimizer, a few PPO steps."""
     import torch
