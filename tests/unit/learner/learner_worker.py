@@ -336,9 +336,28 @@ def scenario_gpu(args: dict) -> dict:
     out.update({"losses": losses, "max_logprob_diff_vs_fp32_reference": float(np.abs(lp - ref).max()),
            "distributed_optimizer": type(learner.optimizer).__name__ != "FP32Optimizer"
            and "Distributed" in repr(type(getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])[0])),
-           "fp8_recipe": learner.chunks[0].config.fp8_recipe if args["fp8"] else None})
+           "fp8_recipe": learner.chunks[0].config.fp8_recipe if args["fp8"] else None,
+           "seq_multiple": learner.seq_multiple})
     learner.close()
     torch.cuda.synchronize()
+    return out
+
+
+def scenario_sequence_parallel(args: dict) -> dict:
+    """TP2 with sequence parallel on the TE spec (one rank per GPU): log-probs, a few steps."""
+    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    learner = MegatronLearner(
+        ModelConfig(hf_dir=args["hf_dir"], spec="te", dtype="fp32", recompute="full"),
+        ParallelConfig(tp=2, sequence_parallel=True), OptimConfig(lr=3e-3), LearnerConfig(micro_batch_tokens=256),
+        AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", ppo_n_minibatches=1), temperature=0.9)
+    batch = learner.broadcast_batch(make_batch() if learner.is_main else None)
+    lp = learner.compute_logprobs(batch)
+    batch.behav_logprobs = lp * batch.loss_mask
+    losses = [learner.train_step(batch)["train/loss"] for _ in range(3)]
+    out = {"logprobs": lp.tolist(), "losses": losses, "seq_multiple": learner.seq_multiple}
+    learner.close()
     return out
 
 
