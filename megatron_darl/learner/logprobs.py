@@ -35,6 +35,13 @@ def chunk_positions(b: int, v_local: int, chunk_bytes: int = HEAD_CHUNK_BYTES) -
     return max(1, chunk_bytes // (4 * max(1, b) * max(1, v_local)))
 
 
+def _shifted(x: torch.Tensor, lo: int, hi: int, valid: int, temperature: float, zmax: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 chunk x[:, lo:hi, :valid] / T - zmax (a copy even when x is fp32: it is
+    modified in place)."""
+    sh = x[:, lo:hi, :valid].to(torch.float32, copy=True)
+    return sh.div_(temperature).sub_(zmax[:, lo:hi, None])
+
+
 class VocabParallelLogProbs(torch.autograd.Function):
     """(logp, entropy) per position of `softmax(x / T)` over a vocabulary split across the TP group,
     computed over sequence chunks so that no full fp32 copy of the logits is ever made.
@@ -62,13 +69,13 @@ class VocabParallelLogProbs(torch.autograd.Function):
         local_t = target - vocab_start
         owned = (local_t >= 0) & (local_t < valid)
         idx = torch.where(owned, local_t, torch.zeros_like(local_t))
-        for lo in range(0, s if valid > 0 else 0, chunk):
+        for lo in range(0, s if valid > 0 else 0, chunk):  # two fp32 chunks live: sh, e
             hi = min(s, lo + chunk)
-            sh = x[:, lo:hi, :valid].float() / temperature - zmax[:, lo:hi, None]
+            sh = _shifted(x, lo, hi, valid, temperature, zmax)
             e = torch.exp(sh)
             stats[0, :, lo:hi] = e.sum(-1)
             stats[1, :, lo:hi] = sh.gather(-1, idx[:, lo:hi, None])[..., 0]
-            stats[2, :, lo:hi] = (e * sh).sum(-1)
+            stats[2, :, lo:hi] = e.mul_(sh).sum(-1)
         stats[1] = torch.where(owned, stats[1], 0.0)
         if group is not None:
             dist.all_reduce(stats, group=group)
@@ -86,13 +93,15 @@ class VocabParallelLogProbs(torch.autograd.Function):
         grad = torch.zeros_like(x)  # padding columns get no gradient
         for lo in range(0, x.shape[1] if valid > 0 else 0, chunk):
             hi = min(x.shape[1], lo + chunk)
-            sh = x[:, lo:hi, :valid].float() / t - zmax[:, lo:hi, None]
-            p = torch.exp(sh) / sum_e[:, lo:hi, None]  # as in forward: exp, then one division
-            logp_all = sh - torch.log(sum_e[:, lo:hi, None])
+            sh = _shifted(x, lo, hi, valid, t, zmax)  # two fp32 chunks live: sh, p
+            p = torch.exp(sh).div_(sum_e[:, lo:hi, None])  # as in forward: exp, then one division
             gl, ge = grad_logp[:, lo:hi, None], grad_entropy[:, lo:hi, None]
-            g = -p * (gl + (logp_all + entropy[:, lo:hi, None]) * ge)
+            # sh becomes gl + (log p + H) ge, then p becomes -p (gl + (log p + H) ge), all in place
+            sh.sub_(torch.log(sum_e[:, lo:hi, None])).add_(entropy[:, lo:hi, None]).mul_(ge).add_(gl)
+            g = p.mul_(sh).neg_()
+            del sh
             g.scatter_add_(-1, idx[:, lo:hi, None], torch.where(owned[:, lo:hi, None], gl, 0.0))
-            grad[:, lo:hi, :valid] = (g / t).to(x.dtype)
+            grad[:, lo:hi, :valid] = g.div_(t)
         return grad, None, None, None, None, None, None
 
 

@@ -26,7 +26,7 @@ Formulas, per micro-batch of T tokens, e bytes per activation (2 in bf16), tp t:
   activations while that layer is re-run in backward;
 - with 1F1B pipelining stage k holds pp - k micro-batches of its L/pp layers;
 - the head keeps the logits e T V/t for backward, the gradient e T V/t, and fp32 working
-  chunks of `logprobs.HEAD_CHUNK_BYTES` (three live at once).
+  chunks of `logprobs.HEAD_CHUNK_BYTES` (two live at once, one more allowed for conversions).
 Bytes per parameter (Megatron-LM docs, "Distributed Optimizer"): bf16 parameters with fp32
 main gradients 2 + 4, Adam with fp32 master weights 12 (sharded over DP by the distributed
 optimizer: 12 / dp); fp32 parameters 4 + 4 + Adam 8 (8 / dp).
@@ -40,7 +40,7 @@ from typing import Any
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an allowance, not measured
-CHUNK_LIVE = 3  # fp32 chunk temporaries alive at once in the head's backward (log p, p, gradient)
+CHUNK_LIVE = 3  # fp32 chunks alive at once in the head (two, see logprobs.py) plus one for conversions
 
 
 @dataclass
