@@ -119,12 +119,18 @@ def learner_preflight(cfg) -> list[str]:
     """Everything the learner can check before a run starts; [] when it may start."""
     from megatron_darl.learner import memory_plan
 
-    hf, _ = model_shapes(cfg)
+    from checkpoint_tools.adapters import get_adapter
+
+    hf, source = model_shapes(cfg)
     errors = spec_errors(cfg)
     if hf is None:
         return errors  # config.preflight already names the missing config.json
-    world, src = learner_world(cfg)
-    errors += layout_errors(hf, cfg.parallel, world, src)
+    try:
+        get_adapter(hf)  # an architecture the converter and the learner map, with its fields
+        world, src = learner_world(cfg)
+        errors += layout_errors(hf, cfg.parallel, world, src)
+    except (KeyError, ValueError, TypeError) as exc:
+        return errors + [f"model.hf_dir: {source}: {exc}"]
     if errors:
         return errors
     plan = memory_plan.plan_run(cfg, hf)

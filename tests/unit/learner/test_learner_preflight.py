@@ -68,3 +68,10 @@ def test_published_shapes_check_a_recipe_without_its_weights():
     assert "published config of Qwen3-4B" in source
     (err,) = [e for e in preflight(cfg) if "parallel.tp=3" in e]
     assert "num_attention_heads=32" in err and "allowed tp for this model: 1, 2, 4, 8" in err
+
+
+def test_an_unsupported_architecture_is_named_not_a_traceback(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    cfg = load_config(DEMO, [f"model.hf_dir={tmp_path}", "model.tokenizer=builtin:demo"])
+    (err,) = preflight(cfg)
+    assert err.startswith("model.hf_dir:") and "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err
