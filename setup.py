@@ -36,7 +36,8 @@ setup(
     install_requires=CPU_REQUIRES,
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang"],
-        "test": ["pytest", "pytest-timeout"],
+        # gguf + accelerate: transformers reads the SmolLM2 GGUF (a real trained Llama) in the learner tests
+        "test": ["pytest", "pytest-timeout", "gguf", "accelerate"],
     },
     entry_points={
         "console_scripts": [

@@ -70,7 +70,8 @@ def layer_range(pp_rank: int, pp_size: int, num_layers: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def _family_of(hf_config: dict) -> ArchFamily:
+def family_of(hf_config: dict) -> ArchFamily:
+    """The supported family of an HF config.json dict (architectures[0], else model_type)."""
     archs = hf_config.get("architectures") or []
     arch, model_type = (archs[0] if archs else None), hf_config.get("model_type")
     for fam in FAMILIES:
@@ -84,7 +85,7 @@ def _family_of(hf_config: dict) -> ArchFamily:
 
 def get_adapter(hf_config: dict, spec: str = "local", make_vocab_size_divisible_by: int = 128) -> "GPTAdapter":
     """The adapter for an HF config.json dict (architectures[0] or, if absent, model_type)."""
-    return GPTAdapter(hf_config, _family_of(hf_config), spec, make_vocab_size_divisible_by)
+    return GPTAdapter(hf_config, family_of(hf_config), spec, make_vocab_size_divisible_by)
 
 
 class GPTAdapter(ModelAdapter):
@@ -169,6 +170,21 @@ class GPTAdapter(ModelAdapter):
             return (padded_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by), self.hidden)
         parts = [self._hf_shape(n) for n in hf]
         return (sum(p[0] for p in parts),) + parts[0][1:] if kind in ("qkv", "fc1") else parts[0]
+
+    def tp_split(self, mcore_name: str) -> str:
+        """How tensor parallelism splits a tensor: replicated | dim0 | dim1 | fc1 (gate/up halves)."""
+        return self._rule(mcore_name)[2]
+
+    def rank_numel(self, pp_rank: int, pp_size: int, tp_size: int) -> int:
+        """Parameters held by one rank of stage `pp_rank` (its TP shard; replicated norms whole):
+        what Megatron allocates there, the tied output copy on the last stage included."""
+        total = 0
+        for name in self.stage_names(pp_rank, pp_size):
+            n = 1
+            for dim in self.shape(name, tp_size):
+                n *= dim
+            total += n if self.tp_split(name) == "replicated" else n // tp_size
+        return total
 
     def mcore_shapes(self, tp_size: int = 1) -> dict[str, tuple[int, ...]]:
         return {n: self.shape(n, tp_size) for n in self.stage_names(0, 1)}

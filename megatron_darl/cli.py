@@ -41,6 +41,8 @@ def train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML recipe (configs/*.yaml); defaults apply without one")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--plan", action="store_true", help="print the learner's per-GPU memory plan and exit "
+                   "(exit 1 when the recipe does not fit)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return p
 
@@ -55,6 +57,10 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if args.plan:
+        from megatron_darl.learner.memory_plan import plan_command
+
+        return plan_command(cfg)
     problems = preflight(cfg)
     if problems:
         print("darl-train: cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)

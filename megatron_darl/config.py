@@ -298,8 +298,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def preflight(cfg: RunConfig) -> list[str]:
     """Checks against this machine before a run starts (not part of validation, so that any
-    recipe prints with --print-config anywhere): model folder and data files exist, and what
-    `_run_preflight` checks."""
+    recipe prints with --print-config anywhere): model folder and data files exist, what
+    `_run_preflight` checks, the model's shapes fit the parallel layout and the learner fits in
+    GPU memory."""
     errors = [f"data.{k}: {m}" for k, m in cfg.data.missing_files()]
     hf = cfg.model.hf_dir
     if not hf.startswith("builtin:") and not os.path.isfile(os.path.join(hf, "config.json")):
@@ -308,7 +309,9 @@ def preflight(cfg: RunConfig) -> list[str]:
     if tok and not tok.startswith("builtin:") and not os.path.isdir(tok):
         errors.append(f"model.tokenizer: folder not found: {tok!r}")
     errors += _run_preflight(cfg)
-    return errors
+    from megatron_darl.learner.preflight import learner_preflight  # layout and memory plan
+
+    return errors + learner_preflight(cfg)
 
 
 def _run_preflight(cfg: RunConfig) -> list[str]:

@@ -9,7 +9,7 @@ What it is not: any Megatron code; that lives in `model.py`, `parallel.py`, `tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -30,14 +30,20 @@ class ModelConfig:
     spec: str = "auto"  # layer spec: auto (te when TE and CUDA are present, else local) | local | te
     fp8: str | None = None  # FP8 recipe with the TE spec: delayed | tensorwise | blockwise | mxfp8
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times TP
-    recompute_activations: bool = False  # full-layer activation recompute (saves memory, costs time)
+    # activation recompute (Megatron's recompute_granularity): none | selective (only the
+    # `recompute_modules` below) | full (every layer, uniform, one layer per checkpoint: only each
+    # layer's input is kept, the layer is re-run in backward; ~1/3 more compute)
+    recompute: str = "none"
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: core_attn | mlp
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "init": ("hf", "random"),
         "dtype": ("auto", "fp32", "bf16"),
         "spec": ("auto", "local", "te"),
         "fp8": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+        "recompute": ("none", "selective", "full"),
     }
+    RECOMPUTE_MODULES: ClassVar[tuple[str, ...]] = ("core_attn", "mlp")  # the dense-model ones
 
     def check(self) -> list[tuple[str, str]]:
         errors = []
@@ -47,6 +53,11 @@ class ModelConfig:
             errors.append(("fp8", "FP8 needs the Transformer Engine spec; set spec=te or auto"))
         if self.make_vocab_size_divisible_by < 1:
             errors.append(("make_vocab_size_divisible_by", "must be >= 1"))
+        bad = [m for m in self.recompute_modules if m not in self.RECOMPUTE_MODULES]
+        if bad:
+            errors.append(("recompute_modules", f"{bad} not allowed; allowed: {', '.join(self.RECOMPUTE_MODULES)}"))
+        if self.recompute == "selective" and not self.recompute_modules:
+            errors.append(("recompute_modules", "recompute=selective needs at least one module"))
         return errors
 
     @property
@@ -61,6 +72,10 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline parallel size
     vpp: int | None = None  # virtual pipeline stages per rank (GPU; needs pp > 1)
+    # Megatron sequence parallel: the norm/residual activations outside the TP region are split
+    # along the sequence over TP ranks (activation memory / tp). Needs tp > 1 and the Transformer
+    # Engine spec (megatron-core's local spec builds torch norms that refuse it), so GPU-only.
+    sequence_parallel: bool = False
     backend: str = "auto"  # torch.distributed backend: auto (nccl with CUDA, else gloo) | gloo | nccl
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {"backend": ("auto", "gloo", "nccl")}
@@ -73,6 +88,8 @@ class ParallelConfig:
             errors.append(("pp", "must be >= 1"))
         if self.vpp is not None and (self.vpp < 1 or self.pp < 2):
             errors.append(("vpp", "virtual pipeline stages need vpp >= 1 and pp >= 2"))
+        if self.sequence_parallel and self.tp < 2:
+            errors.append(("sequence_parallel", f"needs tensor parallelism (tp >= 2), got tp={self.tp}"))
         return errors
 
     @property
@@ -124,10 +141,16 @@ class OptimConfig:
 
 @dataclass
 class LearnerConfig:
-    """How batches are cut into micro-batches."""
+    """How batches are cut into micro-batches, and what the memory plan checks them against."""
 
     micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x rows)
     logprob_chunk_tokens: int = 0  # token budget for forward-only recompute; 0: micro_batch_tokens
+    # memory plan (`darl-train --plan`, checked before a GPU run starts): per-GPU memory in GiB
+    # (an 80 GB H100/A100 shows about 79.2 GiB to torch)
+    gpu_memory_gib: float = 79.0
+    # fraction of each learner GPU held by rollout engines placed on the same GPUs (SGLang's
+    # --mem-fraction-static); 0 when the engines run on GPUs of their own (launch.rollout_nodes)
+    engine_memory_fraction: float = 0.0
 
     def check(self) -> list[tuple[str, str]]:
         errors = []
@@ -135,6 +158,10 @@ class LearnerConfig:
             errors.append(("micro_batch_tokens", "must be >= 1"))
         if self.logprob_chunk_tokens < 0:
             errors.append(("logprob_chunk_tokens", "must be >= 0"))
+        if self.gpu_memory_gib <= 0:
+            errors.append(("gpu_memory_gib", "must be > 0"))
+        if not 0 <= self.engine_memory_fraction < 1:
+            errors.append(("engine_memory_fraction", f"must be in [0, 1), got {self.engine_memory_fraction}"))
         return errors
 
     @property

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megatron_darl.learner import checkpoint, model, weights
 from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
 from megatron_darl.learner.collectives import broadcast_arrays
-from megatron_darl.learner.logprobs import run_schedule
-from megatron_darl.learner.packing import rank_micro_batches
+from megatron_darl.learner.logprobs import config_multiple, run_schedule
+from megatron_darl.learner.packing import pad_batch, rank_micro_batches
 from megatron_darl.learner.parallel import destroy_parallel, init_parallel
 from megatron_darl.learner.snapshots import PolicySnapshots, choose_mode
 from megatron_darl.learner.train_step import setup_training, train_step
@@ -61,12 +61,14 @@ class MegatronLearner:
         self.learner_cfg, self.algo_cfg, self.temperature = learner_cfg, algo_cfg, temperature
         self.ctx = init_parallel(parallel_cfg, seed)
         self.hf_config = model.read_hf_config(model_cfg.hf_dir)
-        self.spec = model.resolve_spec(model_cfg, self.ctx.on_gpu)
+        self.spec = model.resolve_spec(model_cfg, self.ctx.on_gpu, parallel_cfg)
         self.vocab_size = int(self.hf_config["vocab_size"])
         chunks = model.build_model(self.hf_config, model_cfg, parallel_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
         if model_cfg.init == "hf":
             model.load_initial_weights(chunks, model_cfg, self.hf_config, self.spec, self.ctx)
         self.chunks = chunks
+        # token widths are padded to this (FP8 GEMM alignment, sequence parallel); 1: none
+        self.seq_multiple = config_multiple(chunks[0].config)
         self.ddp, self.optimizer, self.scheduler = setup_training(chunks, optim_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
         self.step = 0  # train steps done (each is ppo_n_minibatches optimizer steps)
         self.num_params, param_bytes = self._count_params()
@@ -96,13 +98,13 @@ class MegatronLearner:
     def compute_logprobs(self, batch: TrainBatch) -> np.ndarray:
         """Log-probs [B, L] under the current weights (at the sampling temperature): the value at
         t is log p(tokens[t] | tokens[:t]) for 1 <= t < lengths[i], 0 at t = 0 and on padding."""
-        ctx = self.ctx
+        ctx, padded = self.ctx, pad_batch(batch, self.seq_multiple)
         rows = np.arange(batch.batch_size)
-        mbs = rank_micro_batches(batch, rows, self.learner_cfg.recompute_tokens, ctx.dp, ctx.dp_rank, ctx.device)
+        mbs = rank_micro_batches(padded, rows, self.learner_cfg.recompute_tokens, ctx.dp, ctx.dp_rank, ctx.device)
         outs = run_schedule(self.ddp, mbs, forward_only=True, temperature=self.temperature,
-                            vocab_size=self.vocab_size, pg=ctx.pg,
+                            vocab_size=self.vocab_size, pg=ctx.pg, multiple=self.seq_multiple,
                             head=lambda mb, lp, ent: (lp.sum() * 0.0, {"logp": lp}))
-        full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=ctx.device)
+        full = torch.zeros(padded.tokens.shape, dtype=torch.float32, device=ctx.device)
         for mb, out in zip(mbs, outs):
             if mb["live"]:
                 lp = out["logp"]
@@ -111,7 +113,7 @@ class MegatronLearner:
         full = torch.where(pos < torch.as_tensor(batch.lengths, device=ctx.device)[:, None], full, 0.0)
         dist.all_reduce(full, group=ctx.pg.dp)  # DP ranks filled disjoint rows
         dist.broadcast(full, src=dist.get_global_rank(ctx.pg.pp, ctx.pp - 1), group=ctx.pg.pp)
-        return full.cpu().numpy()
+        return full[:, : batch.tokens.shape[1]].cpu().numpy()
 
     @torch.no_grad()
     def compute_version_logprobs(self, batch: TrainBatch, versions: list[int]) -> dict[int, np.ndarray]:
@@ -134,7 +136,9 @@ class MegatronLearner:
         `prox_logprobs` when the loss reads them); returns metrics (same on every rank)."""
         if self.snapshots is not None:
             self.snapshots.keep(self.step)  # the weights published as version `step` (0: initial)
-        metrics = train_step(self.ddp, self.optimizer, self.scheduler, batch, self.algo_cfg, self.learner_cfg,
+        # widths padded for FP8 / sequence parallel before packing, so the budget counts them
+        metrics = train_step(self.ddp, self.optimizer, self.scheduler, pad_batch(batch, self.seq_multiple),
+                             self.algo_cfg, self.learner_cfg,
                              pg=self.ctx.pg, device=self.ctx.device, temperature=self.temperature,
                              vocab_size=self.vocab_size, beta=beta, pmis=self.pmis, num_params=self.num_params,
                              prox_version=self.step)

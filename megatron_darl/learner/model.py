@@ -1,10 +1,12 @@
 """Model build for the learner: HF config.json -> Megatron-Core `TransformerConfig` -> `GPTModel`.
 
-What it is: `transformer_config` is THE one function turning a Hugging Face Qwen3-family
-config.json (plus our model/parallel configs) into a `TransformerConfig`; `build_model` builds
-this rank's `GPTModel` chunk(s) with the local layer spec (CPU) or the Transformer Engine spec
-(GPU, optional FP8 recipe); `load_hf_weights` fills them from the HF safetensors through the
-`checkpoint_tools` adapter (the same name mapping that weight export uses).
+What it is: `transformer_config` is THE one function turning a Hugging Face config.json of a
+family the converter maps (Qwen3: q/k RMSNorm; Qwen2: q/k/v biases; Llama: neither; tied or
+untied embeddings) plus our model/parallel configs into a `TransformerConfig`; `build_model`
+builds this rank's `GPTModel` chunk(s) with the layer spec of that family, local (CPU) or
+Transformer Engine (GPU, optional FP8 recipe, sequence parallel); `load_hf_weights` fills them
+from the HF safetensors through the `checkpoint_tools` adapter (the same name mapping that
+weight export uses).
 What it is not: parallel setup (`parallel.py`) or the training loop.
 """
 
@@ -15,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from checkpoint_tools.adapters import get_adapter, padded_vocab_size
+from checkpoint_tools.adapters import ArchFamily, family_of, get_adapter, padded_vocab_size
 from megatron_darl.learner.api import ModelConfig, ParallelConfig
 
 _FP8_MIN_TE = {"delayed": "1.0.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0", "mxfp8": "2.1.0"}
@@ -66,13 +68,21 @@ def have_te() -> bool:
     return True
 
 
-def resolve_spec(model_cfg: ModelConfig, on_gpu: bool) -> str:
-    """'te' or 'local': auto picks TE only when both TE and CUDA are present."""
+def resolve_spec(model_cfg: ModelConfig, on_gpu: bool, par: ParallelConfig | None = None) -> str:
+    """'te' or 'local': auto picks TE only when both TE and CUDA are present. Sequence parallel
+    needs TE: megatron-core 0.16's local spec builds `WrappedTorchNorm`, which asserts
+    `not config.sequence_parallel`."""
     if model_cfg.spec == "auto":
-        return "te" if on_gpu and have_te() else "local"
-    if model_cfg.spec == "te" and not (on_gpu and have_te()):
+        spec = "te" if on_gpu and have_te() else "local"
+    elif model_cfg.spec == "te" and not (on_gpu and have_te()):
         raise RuntimeError("model.spec=te needs CUDA and transformer_engine; use spec=local or auto")
-    return model_cfg.spec
+    else:
+        spec = model_cfg.spec
+    if par is not None and par.sequence_parallel and spec != "te":
+        raise RuntimeError(f"parallel.sequence_parallel=true needs the Transformer Engine spec (model.spec "
+                           f"resolved to {spec!r}: CUDA and transformer_engine are required); set "
+                           "parallel.sequence_parallel=false")
+    return spec
 
 
 def resolve_dtype(model_cfg: ModelConfig, on_gpu: bool) -> torch.dtype:
@@ -100,17 +110,35 @@ def fp8_settings(recipe: str | None, spec: str) -> dict:
     return {"fp8": fmt, "fp8_recipe": recipe}
 
 
+def architecture(hf: dict) -> ArchFamily:
+    """The family of `hf` (what the converter maps), after refusing what neither side supports:
+    the adapter's own refusals (e.g. Llama attention/MLP biases), non-SwiGLU activations and
+    Qwen2's sliding-window attention."""
+    get_adapter(hf)  # raises UnsupportedArchitectureError / CheckpointError with the field named
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={hf.get('hidden_act')!r}: only silu (SwiGLU) is supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true: sliding-window attention is not supported")
+    return family_of(hf)
+
+
+def recompute_settings(model_cfg: ModelConfig) -> dict:
+    """TransformerConfig recompute fields for `model.recompute` (Megatron's own names)."""
+    if model_cfg.recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if model_cfg.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(model_cfg.recompute_modules)}
+    return {}
+
+
 def transformer_config(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, *, on_gpu: bool):
     """THE mapping from an HF config.json dict + our configs to Megatron's TransformerConfig."""
     from megatron.core.transformer import TransformerConfig
 
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act={hf.get('hidden_act')!r}: only silu (SwiGLU) is supported")
+    family = architecture(hf)
     heads = hf["num_attention_heads"]
     dtype = resolve_dtype(model_cfg, on_gpu)
-    spec = resolve_spec(model_cfg, on_gpu)
-    recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
-                 "recompute_num_layers": 1} if model_cfg.recompute_activations else {}
+    spec = resolve_spec(model_cfg, on_gpu, par)
     return TransformerConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -120,17 +148,18 @@ def transformer_config(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, *,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,  # Qwen3 head_dim != hidden/heads
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        qk_layernorm=hf.get("model_type", "qwen3") == "qwen3",
+        qk_layernorm=family.qk_norm,  # Qwen3 only
         gated_linear_unit=True,  # SwiGLU: silu(gate) * up
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        add_qkv_bias=family.qkv_bias,  # Qwen2 only (its config.json has no attention_bias key)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf.get("initializer_range", 0.02),
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp,
+        sequence_parallel=par.sequence_parallel,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -148,20 +177,22 @@ def transformer_config(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, *,
         # DDP must sum them over micro-batches and DP ranks, never average
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=on_gpu,
-        **recompute,
+        **recompute_settings(model_cfg),
         **fp8_settings(model_cfg.fp8, spec),
     )
 
 
-def layer_spec(spec: str):
+def layer_spec(spec: str, family: ArchFamily):
+    """The decoder-layer ModuleSpec of `family` (q/k norm modules only where the family has
+    them; biases follow `TransformerConfig.add_qkv_bias`)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     if spec == "te":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
+    return get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
 
 
 def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on_gpu: bool) -> list:
@@ -170,14 +201,15 @@ def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage, is_vp_first_stage, is_vp_last_stage
 
     config = transformer_config(hf, model_cfg, par, on_gpu=on_gpu)
-    spec = resolve_spec(model_cfg, on_gpu)
+    spec = resolve_spec(model_cfg, on_gpu, par)
+    family = architecture(hf)
     vocab = padded_vocab_size(hf["vocab_size"], par.tp, model_cfg.make_vocab_size_divisible_by)
     chunks = []
     for vp in range(par.vpp or 1):
         vp_stage = vp if par.vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec),
+            transformer_layer_spec=layer_spec(spec, family),
             vocab_size=vocab,
             max_sequence_length=hf.get("max_position_embeddings", 4096),
             pre_process=is_pp_first_stage(pg.pp) and is_vp_first_stage(vp, par.vpp),

@@ -7,14 +7,59 @@ one sequence each and are right-padded to the longest row of their micro-batch (
 makes the padding invisible to the real tokens; padded positions carry loss mask 0). Sorting
 rows by length before cutting keeps that padding small. The budget counts padded tokens
 (rows x padded length), so memory per micro-batch is bounded whatever the length mix.
+FP8 GEMMs (Transformer Engine) and sequence parallel need the token dimension to be a multiple
+of an alignment (`sequence_multiple`); `pad_batch` rounds every row's length up to it (padding
+carries loss mask 0 and comes after the row's tokens, so no real token attends to it), so the
+budget counts the padded width too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 
 from megatron_darl.types import TrainBatch
+
+_PADDED_FIELDS = ("tokens", "loss_mask", "behav_logprobs", "token_versions", "prox_logprobs")
+
+
+def sequence_multiple(fp8_recipe: str | None, tp: int, sequence_parallel: bool) -> int:
+    """What the padded width of a micro-batch must be a multiple of: Megatron's FP8 GEMM
+    alignment (`fp8_utils.get_fp8_align_size`: 16, 32 for MXFP8) when FP8 is on, times `tp` with
+    sequence parallel (the sequence is split over TP ranks, and each rank's share of
+    rows x width must stay aligned)."""
+    align = 1
+    if fp8_recipe is not None:
+        from megatron.core.enums import Fp8Recipe
+        from megatron.core.fp8_utils import get_fp8_align_size
+
+        align = get_fp8_align_size(Fp8Recipe(fp8_recipe))
+    return align * (tp if sequence_parallel else 1)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+def pad_batch(batch: TrainBatch, multiple: int) -> TrainBatch:
+    """`batch` with every length rounded up to `multiple` and the per-token arrays widened to
+    match (zeros: token 0, loss mask 0, log-probs 0, version -1). The same object when
+    `multiple` is 1; the caller's batch is never modified."""
+    if multiple <= 1:
+        return batch
+    lengths = np.array([round_up(n, multiple) for n in batch.lengths], dtype=batch.lengths.dtype)
+    width = max(int(lengths.max()), batch.tokens.shape[1])
+
+    def widen(a: np.ndarray | None, fill: float = 0) -> np.ndarray | None:
+        if a is None or a.shape[1] == width:
+            return a
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+
+    arrays = {f: widen(getattr(batch, f), -1 if f == "token_versions" else 0) for f in _PADDED_FIELDS}
+    by_version = {k: widen(v) for k, v in (batch.behav_logprobs_by_version or {}).items()} or None
+    return dataclasses.replace(batch, lengths=lengths, behav_logprobs_by_version=by_version, **arrays)
 
 
 def split_minibatches(group_index: np.ndarray, n: int) -> list[np.ndarray]:

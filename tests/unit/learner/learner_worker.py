@@ -62,12 +62,13 @@ def make_batch(seed: int = 0):
 
 
 def make_learner(hf_dir: str, tp: int, pp: int, *, policy_loss: str = "darl", micro_batch_tokens: int = 48,
-                 n_minibatches: int = 2, lr: float = 1e-3, recompute: bool = False, **algo_kw):
+                 n_minibatches: int = 2, lr: float = 1e-3, recompute: str = "none",
+                 recompute_modules: tuple = ("core_attn",), **algo_kw):
     from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     return MegatronLearner(
-        ModelConfig(hf_dir=hf_dir, recompute_activations=recompute), ParallelConfig(tp=tp, pp=pp),
+        ModelConfig(hf_dir=hf_dir, recompute=recompute, recompute_modules=list(recompute_modules)), ParallelConfig(tp=tp, pp=pp),
         OptimConfig(lr=lr, grad_clip=1.0, lr_warmup_steps=1, lr_decay_style="linear", lr_decay_steps=8),
         LearnerConfig(micro_batch_tokens=micro_batch_tokens),
         AlgorithmConfig(policy_loss=policy_loss, ppo_n_minibatches=n_minibatches, **algo_kw),
@@ -88,7 +89,7 @@ def run_layout(hf_dir: str, tp: int, pp: int, *, save: str = "", export: str = "
     batch = learner.broadcast_batch(make_batch() if learner.is_main else None)
     out = {}
     m1, lp0 = _step(learner, batch)
-    out.update(step1=m1, logprobs0=lp0)
+    out.update(step1=m1, logprobs0=lp0, allocations=gather_allocations(learner))
     if save:
         learner.save(save, {"note": "step1", "ids": [1, 2, 3]})
     m2, lp1 = _step(learner, batch)
@@ -170,10 +171,12 @@ def scenario_reference(args: dict) -> dict:
         m, _ = _step(learner, batch)
         out["packing"][str(mbt)] = {"metrics": m, "logprobs": learner.compute_logprobs(batch).tolist()}
         learner.close(keep_world=True)
-    learner = make_learner(hf, 1, 1, micro_batch_tokens=10_000, n_minibatches=1, recompute=True)
-    batch = learner.broadcast_batch(make_batch())
-    out["recompute_activations"] = _step(learner, batch)[0]
-    learner.close(keep_world=True)
+    for mode, modules in (("full", ()), ("selective", ("core_attn", "mlp"))):
+        learner = make_learner(hf, 1, 1, micro_batch_tokens=10_000, n_minibatches=1, recompute=mode,
+                               recompute_modules=modules or ("core_attn",))
+        batch = learner.broadcast_batch(make_batch())
+        out[f"recompute_{mode}"] = _step(learner, batch)[0]
+        learner.close(keep_world=True)
     # naive-async PPO on fixed data: old = behavior = the initial policy, so the surrogate moves
     learner = make_learner(hf, 1, 1, policy_loss="ppo", old_logprob="behavior", n_minibatches=1, lr=3e-3,
                            micro_batch_tokens=256)
@@ -199,6 +202,111 @@ def scenario_reference(args: dict) -> dict:
               "--temperature", "0.9"])
     with open(f"{w}/cli_out.jsonl") as f:
         out["cli_ckpt_logprobs"] = [json.loads(line)["logprobs"] for line in f]
+    return out
+
+
+def _padding_run(hf_dir: str, multiple: int) -> dict:
+    """One recompute + one train step with token widths padded to `multiple` (1: unpadded)."""
+    import torch
+
+    learner = make_learner(hf_dir, 1, 1, n_minibatches=1, micro_batch_tokens=64)
+    learner.seq_multiple = multiple  # as FP8 (16/32) or sequence parallel would set it
+    widths = []
+    learner.chunks[0].register_forward_pre_hook(lambda mod, args: widths.append(int(args[0].shape[1])))
+    batch = learner.broadcast_batch(make_batch())
+    m, lp0 = _step(learner, batch)
+    grads = torch.cat([b.grad_data.flatten() for c in learner.ddp for b in c.buffers]).tolist()
+    out = {"metrics": m, "logprobs0": lp0, "logprobs1": learner.compute_logprobs(batch).tolist(),
+           "grads": grads, "widths": widths}
+    learner.close(keep_world=True)
+    return out
+
+
+def scenario_padding(args: dict) -> dict:
+    """The same step unpadded and with widths padded to 16 (FP8 alignment): shapes and numbers."""
+    return {str(m): _padding_run(args["hf_dir"], m) for m in (1, 16)}
+
+
+def rank_allocations(learner) -> dict:
+    """What this rank really allocated: parameter count and bytes, DDP gradient-buffer bytes,
+    optimizer-state bytes (fp32 master copies and Adam moments) after a step."""
+    import torch
+
+    params = [p for c in learner.chunks for p in c.parameters()]
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in learner.ddp for b in c.buffers)
+    opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+    state = 0
+    for opt in opts:
+        for st in opt.optimizer.state.values():
+            state += sum(t.numel() * t.element_size() for k, t in st.items()
+                         if torch.is_tensor(t) and k != "step")
+        for group in getattr(opt, "fp32_from_float16_groups", []):  # bf16: fp32 master weights
+            state += sum(p.numel() * p.element_size() for p in group)
+    return {"tp_rank": learner.ctx.tp_rank, "pp_rank": learner.ctx.pp_rank, "numel": sum(p.numel() for p in params),
+            "parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads, "optimizer": state}
+
+
+def gather_allocations(learner) -> list:
+    import torch.distributed as dist
+
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, rank_allocations(learner))
+    return ranks
+
+
+def scenario_allocations(args: dict) -> dict:
+    """Real allocations after one step with `args["dtype"]` and the distributed optimizer
+    (GPU: Megatron's bf16 optimizer refuses CPU tensors), for the memory plan."""
+    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    learner = MegatronLearner(
+        ModelConfig(hf_dir=args["hf_dir"], dtype=args["dtype"]), ParallelConfig(),
+        OptimConfig(lr=1e-4, distributed_optimizer=True), LearnerConfig(micro_batch_tokens=256),
+        AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", ppo_n_minibatches=1))
+    learner.train_step(learner.broadcast_batch(make_batch()))
+    out = gather_allocations(learner)
+    learner.close()
+    return out
+
+
+def token_batch(rows: list[list[int]]):
+    """A TrainBatch holding `rows` (right-padded with 0), every token after the first scored."""
+    from megatron_darl.types import TrainBatch
+
+    b, width = len(rows), max(len(r) for r in rows)
+    tokens = np.zeros((b, width), np.int64)
+    lengths = np.array([len(r) for r in rows], np.int64)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.float32)
+    mask[:, 0] = 0
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, advantages=np.zeros(b, np.float32),
+                      behav_logprobs=np.zeros((b, width), np.float32),
+                      token_versions=np.where(mask > 0, 0, -1).astype(np.int64), versions=np.zeros(b, np.int64),
+                      group_index=np.arange(b, dtype=np.int64), rewards=np.zeros(b, np.float32),
+                      prompt_ids=np.arange(b, dtype=np.int64))
+
+
+def scenario_architectures(args: dict) -> dict:
+    """Learner log-probs (fp32, temperature 1) of each model at TP = world size, in turn."""
+    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    import torch.distributed as dist
+
+    out = {}
+    for name, spec in args["models"].items():
+        world = int(os.environ["WORLD_SIZE"])
+        learner = MegatronLearner(ModelConfig(hf_dir=spec["hf_dir"], dtype="fp32"), ParallelConfig(tp=world),
+                                  OptimConfig(), LearnerConfig(micro_batch_tokens=4096),
+                                  AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", recompute_proximal=False))
+        batch = learner.broadcast_batch(token_batch(spec["tokens"]) if learner.is_main else None)
+        out[name] = {"logprobs": learner.compute_logprobs(batch).tolist(),
+                     "heads_per_rank": learner.chunks[0].config.num_attention_heads // world}
+        learner.close(keep_world=name != list(args["models"])[-1])
+        if name != list(args["models"])[-1]:
+            dist.barrier()
     return out
 
 
@@ -228,9 +336,28 @@ def scenario_gpu(args: dict) -> dict:
     out.update({"losses": losses, "max_logprob_diff_vs_fp32_reference": float(np.abs(lp - ref).max()),
            "distributed_optimizer": type(learner.optimizer).__name__ != "FP32Optimizer"
            and "Distributed" in repr(type(getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])[0])),
-           "fp8_recipe": learner.chunks[0].config.fp8_recipe if args["fp8"] else None})
+           "fp8_recipe": learner.chunks[0].config.fp8_recipe if args["fp8"] else None,
+           "seq_multiple": learner.seq_multiple})
     learner.close()
     torch.cuda.synchronize()
+    return out
+
+
+def scenario_sequence_parallel(args: dict) -> dict:
+    """TP2 with sequence parallel on the TE spec (one rank per GPU): log-probs, a few steps."""
+    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    learner = MegatronLearner(
+        ModelConfig(hf_dir=args["hf_dir"], spec="te", dtype="fp32", recompute="full"),
+        ParallelConfig(tp=2, sequence_parallel=True), OptimConfig(lr=3e-3), LearnerConfig(micro_batch_tokens=256),
+        AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", ppo_n_minibatches=1), temperature=0.9)
+    batch = learner.broadcast_batch(make_batch() if learner.is_main else None)
+    lp = learner.compute_logprobs(batch)
+    batch.behav_logprobs = lp * batch.loss_mask
+    losses = [learner.train_step(batch)["train/loss"] for _ in range(3)]
+    out = {"logprobs": lp.tolist(), "losses": losses, "seq_multiple": learner.seq_multiple}
+    learner.close()
     return out
 
 

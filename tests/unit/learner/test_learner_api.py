@@ -42,6 +42,12 @@ def test_invalid_values_are_reported():
     assert "ppo_n_minibatches" in fields(AlgorithmConfig(ppo_n_minibatches=0).check())
     assert "behav_clip" in fields(AlgorithmConfig(behav_clip=0.5).check())
     assert "micro_batch_tokens" in fields(LearnerConfig(micro_batch_tokens=0).check())
+    assert "sequence_parallel" in fields(ParallelConfig(tp=1, sequence_parallel=True).check())
+    assert ParallelConfig(tp=2, sequence_parallel=True).check() == []
+    assert "recompute_modules" in fields(ModelConfig(hf_dir="x", recompute="selective", recompute_modules=["moe"]).check())
+    assert "recompute_modules" in fields(ModelConfig(hf_dir="x", recompute="selective", recompute_modules=[]).check())
+    assert "engine_memory_fraction" in fields(LearnerConfig(engine_memory_fraction=1.0).check())
+    assert "gpu_memory_gib" in fields(LearnerConfig(gpu_memory_gib=0).check())
 
 
 def test_data_parallel_size_is_derived():

@@ -47,6 +47,19 @@ def test_fp8_recipes_run(hf_dir, tmp_path, recipe):
     out = W.launch("gpu", {"hf_dir": hf_dir, "spec": "te", "fp8": recipe, "dtype": "bf16",
                            "ckpt": str(tmp_path / "ckpt")}, 1, str(tmp_path))
     assert all(abs(x) < 1e3 for x in out["losses"]) and out["fp8_recipe"] == recipe
+    assert out["seq_multiple"] == 16  # token widths padded to Megatron's FP8 GEMM alignment
+
+
+@pytest.mark.skipif(not _have_te(), reason="needs transformer_engine")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one rank per GPU)")
+def test_sequence_parallel_tp2_matches_hf_and_trains(hf_dir, tmp_path):
+    import numpy as np
+
+    out = W.launch("sequence_parallel", {"hf_dir": hf_dir}, 2, str(tmp_path))
+    batch = W.make_batch()
+    ref = np.asarray(W.transformers_logprobs(hf_dir, batch.tokens, batch.lengths, 0.9))
+    assert np.abs(np.asarray(out["logprobs"]) - ref).max() < 1e-3  # TE kernels in fp32 (TF32 off by default)
+    assert out["seq_multiple"] == 2 and out["losses"][-1] < out["losses"][0]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL forbids two ranks on one GPU)")

@@ -40,8 +40,8 @@ def test_split_minibatches_keeps_groups_whole():
     assert len(split_minibatches(gi, 10)) == 5  # never more minibatches than groups
 
 
-def _batch(b=3, width=6):
-    lengths = np.array([6, 3, 4])
+def _batch(b=3, width=6, lengths=(6, 3, 4)):
+    lengths = np.array(lengths)
     tokens = np.arange(b * width).reshape(b, width)
     mask = (np.arange(width)[None] < lengths[:, None]).astype(np.float32)
     z = np.zeros((b, width), np.float32)
@@ -60,3 +60,37 @@ def test_micro_batch_trims_to_longest_row_and_placeholders_are_masked():
     # a DP rank without rows still gets one (masked) micro-batch so collectives line up
     got = rank_micro_batches(batch, np.array([0]), 100, 2, 1, torch.device("cpu"))
     assert len(got) == 1 and not got[0]["live"]
+
+
+def test_sequence_multiple_follows_megatron_fp8_alignment():
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    from megatron_darl.learner.packing import sequence_multiple
+
+    assert sequence_multiple(None, 4, False) == 1
+    assert sequence_multiple(None, 4, True) == 4  # sequence parallel splits the sequence over TP
+    for recipe in ("delayed", "tensorwise", "blockwise", "mxfp8"):
+        align = get_fp8_align_size(Fp8Recipe(recipe))
+        assert sequence_multiple(recipe, 1, False) == align and sequence_multiple(recipe, 2, True) == 2 * align
+    assert sequence_multiple("mxfp8", 1, False) == 32 and sequence_multiple("delayed", 1, False) == 16
+
+
+def test_pad_batch_rounds_lengths_and_pads_with_masked_zeros():
+    from megatron_darl.learner.packing import pad_batch
+
+    rng = np.random.RandomState(0)
+    b = _batch(3, 17, lengths=[5, 17, 16])
+    b.behav_logprobs = rng.randn(3, 17).astype(np.float32) * b.loss_mask
+    b.prox_logprobs = np.ones_like(b.behav_logprobs)
+    p = pad_batch(b, 16)
+    assert p.lengths.tolist() == [16, 32, 16] and p.tokens.shape == (3, 32)
+    assert b.tokens.shape[1] == 17 and b.lengths.tolist() == [5, 17, 16]  # the input is untouched
+    for name in ("tokens", "loss_mask", "behav_logprobs", "prox_logprobs"):
+        got, orig = getattr(p, name), getattr(b, name)
+        assert np.array_equal(got[:, :17], orig) and not got[:, 17:].any(), name
+    assert p.loss_mask.sum() == b.loss_mask.sum()  # padding never counts in the loss
+    assert (p.token_versions[:, 17:] == -1).all()
+    assert pad_batch(b, 1) is b
+    for mb in rank_micro_batches(p, np.arange(3), 40, 1, 0, torch.device("cpu")):
+        assert mb["tokens"].shape[1] % 16 == 0  # every micro-batch width is aligned

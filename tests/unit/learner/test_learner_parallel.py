@@ -22,7 +22,7 @@ def runs(tmp_path_factory):
     args = {"hf_dir": hf, "workdir": str(work)}
     layouts = W.launch("layouts", args, 4, str(work))
     reference = W.launch("reference", args, 1, str(work))  # after: it resumes the TP2xPP2 checkpoint
-    return layouts, reference
+    return layouts, reference, hf
 
 
 def diff(a, b) -> float:
@@ -31,7 +31,7 @@ def diff(a, b) -> float:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_tp1(runs, layout):
-    layouts, reference = runs
+    layouts, reference, _ = runs
     got, ref = layouts[layout], reference["ref"]
     for key in ("logprobs0", "logprobs1", "logprobs2"):
         assert diff(got[key], ref[key]) < TOL, key
@@ -44,7 +44,7 @@ def test_layout_matches_tp1(runs, layout):
 
 @pytest.mark.parametrize("layout,saved_at", [("tp2dp2", "TP1"), ("pp2dp2", "TP2xPP2")])
 def test_resume_in_another_layout_continues_identically(runs, layout, saved_at):
-    layouts, reference = runs
+    layouts, reference, _ = runs
     got, ref = layouts[layout], reference["ref"]
     assert got["resumed_step"] == 1 and got["extra"] == {"note": "step1", "ids": [1, 2, 3]}
     for m in METRICS:  # step 2 after loading the step-1 checkpoint == uninterrupted step 2
@@ -53,7 +53,7 @@ def test_resume_in_another_layout_continues_identically(runs, layout, saved_at):
 
 
 def test_resume_tp2pp2_checkpoint_at_tp1(runs):
-    _, reference = runs
+    _, reference, _ = runs
     ref = reference["ref"]
     for m in METRICS:
         assert abs(ref["step2_resumed"][m] - ref["step2"][m]) < TOL, m
@@ -61,12 +61,12 @@ def test_resume_tp2pp2_checkpoint_at_tp1(runs):
 
 
 def test_megatron_logprobs_match_transformers(runs):
-    _, reference = runs
+    _, reference, _ = runs
     assert diff(reference["transformers_logprobs0"], reference["ref"]["logprobs0"]) < TOL
 
 
 def test_hf_export(runs):
-    layouts, reference = runs
+    layouts, reference, _ = runs
     assert reference["export_init_names_equal"] and reference["export_init_max_diff"] == 0.0
     # TP2xPP2 gathers to the same HF tensors as TP1 after the same four Adam updates (lr 1e-3):
     # Adam divides by sqrt(v), so fp32 summation-order noise in tiny gradients (the tied
@@ -78,7 +78,7 @@ def test_hf_export(runs):
 
 
 def test_packing_gives_the_gradient_of_one_big_batch(runs):
-    _, reference = runs
+    _, reference, _ = runs
     packs = reference["packing"]
     whole = packs["10000"]
     for budget in ("24", "64"):
@@ -87,9 +87,10 @@ def test_packing_gives_the_gradient_of_one_big_batch(runs):
         assert diff(packs[budget]["logprobs"], whole["logprobs"]) < TOL  # same update applied
 
 
-def test_activation_recompute_gives_the_same_step(runs):
-    _, reference = runs
-    whole, recomputed = reference["packing"]["10000"]["metrics"], reference["recompute_activations"]
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_recompute_gives_the_same_step(runs, mode):
+    _, reference, _ = runs
+    whole, recomputed = reference["packing"]["10000"]["metrics"], reference[f"recompute_{mode}"]
     for m in ("train/loss", "train/grad_norm", "train/entropy"):
         assert abs(recomputed[m] - whole[m]) < 1e-6, m
 
@@ -101,14 +102,32 @@ def test_a_few_steps_lower_the_loss(runs):
 
 
 def test_converted_megatron_folder_loads_like_its_hf_source(runs):
-    _, reference = runs
+    _, reference, _ = runs
     assert diff(reference["converted_logprobs0"], reference["ref"]["logprobs0"]) < TOL
 
 
 def test_darl_logprobs_reads_a_learner_checkpoint(runs):
-    layouts, reference = runs
+    layouts, reference, _ = runs
     after_step1 = np.asarray(layouts["tp2pp2"]["logprobs1"])  # proximal log-probs of step 2
     lengths = W.make_batch().lengths
     for i, got in enumerate(reference["cli_ckpt_logprobs"]):
         assert len(got) == lengths[i] - 1
         assert np.abs(np.asarray(got) - after_step1[i, 1 : lengths[i]]).max() < TOL
+
+
+@pytest.mark.parametrize("layout,tp,pp", [("tp2pp2", 2, 2), ("tp1dp4", 1, 1), ("tp2dp2", 2, 1), ("pp2dp2", 1, 2)])
+def test_memory_plan_counts_match_real_allocations(runs, layout, tp, pp):
+    """The plan's parameter, gradient and optimizer bytes (fp32 Adam) are what every rank of a
+    real Megatron run allocated: TP shards, vocab padding, the tied output copy on PP's last stage."""
+    import json
+
+    from megatron_darl.learner.memory_plan import state_bytes
+
+    layouts, _, _ = runs
+    with open(f"{runs[2]}/config.json") as f:
+        config = json.load(f)
+    for rank in layouts[layout]["allocations"]:
+        plan = state_bytes(config, tp=tp, pp=pp, stage=rank["pp_rank"], bf16=False)
+        for key in ("numel", "parameters", "gradients", "optimizer"):
+            assert rank[key] == plan[key], (layout, key, rank, plan)
+    assert len({r["numel"] for r in layouts[layout]["allocations"]}) == (2 if pp == 2 else 1)
