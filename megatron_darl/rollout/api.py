@@ -20,7 +20,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 @dataclass
 class SamplingParams:
-    """The subset of SGLang `sampling_params` an RL rollout uses."""
+    """The subset of SGLang `sampling_params` an RL rollout uses. `to_json` gives SGLang's
+    field names: `seed` travels as `sampling_seed` (SGLang's SamplingParams is a strict struct:
+    an unknown key fails the whole request)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -28,19 +30,19 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # per-request sampler seed (SGLang: `sampling_seed`, an int64)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_new_tokens": int(self.max_new_tokens),
+            "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "ignore_eos": bool(self.ignore_eos),
         }
         if self.seed is not None:
-            d["seed"] = self.seed
+            d["sampling_seed"] = int(self.seed)
         return d
 
 
@@ -56,8 +58,9 @@ class GenerateRequest:
 @dataclass
 class GenerateResponse:
     """What came back for one request. `output_versions[t]` is the weight version that sampled
-    token t: SGLang reports one `weight_version` per request, so its client tags every token
-    with it; the embedded engine reports per-token versions (`output_token_versions`)."""
+    token t, read from the answer's `meta_info.weight_versions` spans (`[{version, start,
+    end}]`, one per version that produced tokens; SGLang and the embedded engine both send
+    them), or from its single `weight_version` when a server sends no spans."""
 
     rid: str
     output_ids: list[int]
