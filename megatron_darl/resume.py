@@ -88,6 +88,8 @@ class RunCheckpointer:
         t0 = time.monotonic()
         while True:
             status = read_status(self.status_path)
+            if status is not None and status.error:  # it stopped: no answer will come
+                raise RuntimeError(f"the rollout manager failed, no rollout state for {sidecar}: {status.error}")
             if status is not None and status.state_path == request and os.path.isfile(request):
                 break
             self.alive()
