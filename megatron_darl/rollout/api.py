@@ -10,6 +10,7 @@ What it is not: transport code or decoding code; those live in `sglang_client.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -128,10 +129,14 @@ class RolloutConfig:
             errs.append(("group_size", "must be >= 1"))
         if self.max_new_tokens < 1:
             errs.append(("max_new_tokens", "must be >= 1"))
-        if self.temperature <= 0:
-            errs.append(("temperature", "must be > 0 (behavior log-probs are taken under it)"))
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            errs.append(("temperature", "must be finite and > 0 (behavior log-probs are taken under it)"))
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             errs.append(("top_p", "must be in (0, 1]"))
+        if self.top_k != -1 and self.top_k < 1:
+            errs.append(("top_k", "must be -1 (no truncation) or >= 1"))
+        if self.max_concurrent_per_engine < 1:
+            errs.append(("max_concurrent_per_engine", "must be >= 1"))
         if not self.partial_rollout and self.pause_mode != "abort":
             errs.append(("partial_rollout", "false (restart interrupted samples) needs pause_mode=abort: "
                          "retract/in_place keep requests on the engine, which continue them"))

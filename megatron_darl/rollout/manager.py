@@ -276,8 +276,8 @@ class RolloutManager:
 
     async def aupdate_weights(self, weights: WeightVersion) -> None:
         """Pause every live engine (`pause_mode`), load `weights`, resume. Older versions are ignored;
-        the current version is loaded again only from a new location (a resumed run publishes
-        the checkpoint's version afresh: the saved location may be gone with the old run)."""
+        the current version is loaded again only from a new location, or when a restored manager
+        waits for it (a resumed run publishes the checkpoint's version afresh at launch)."""
         async with self._update_lock:
             same = self._weights is None or weights.location == self._weights.location
             if weights.version < self._version or (weights.version == self._version and same
@@ -483,12 +483,12 @@ class RolloutManager:
         """Best-effort /continue_generation to an engine that is down: one left paused after a
         failed update must not stay so (a paused SGLang server also answers its health route
         503, so it would never look healthy again). Failures mean it is really gone: ignored."""
-        try:
-            await _await_within(slot.engine.aresume(), min(self.config.request_timeout_s, 30.0))
+        try:  # bounded: a dead engine must not hold up a weight update or the health loop long
+            await _await_within(slot.engine.aresume(), min(self.config.request_timeout_s, 5.0))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.debug("engine %d: resume while down failed: %r", slot.index, exc)
+            log.info("engine %d (%s): resume while down failed: %r", slot.index, slot.engine.url, exc)
 
     async def _arevive(self, slot: _Slot) -> None:
         await self._aresume_quietly(slot)  # before the health check: paused is not dead
