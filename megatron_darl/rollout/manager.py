@@ -280,8 +280,10 @@ class RolloutManager:
         waits for it (a resumed run publishes the checkpoint's version afresh at launch)."""
         async with self._update_lock:
             same = self._weights is None or weights.location == self._weights.location
-            if weights.version < self._version or (weights.version == self._version and same
-                                                   and not self._awaiting_weights):
+            # a restored manager takes the learner's first publication whatever its version: it
+            # is what the resumed policy is (waiting for a higher one could wait for ever)
+            if not self._awaiting_weights and (weights.version < self._version or
+                                               (weights.version == self._version and same)):
                 return
             t0 = self._clock()
             self._paused = True

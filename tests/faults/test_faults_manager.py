@@ -163,3 +163,27 @@ def test_the_learner_fails_at_once_with_the_managers_error(tmp_path):
                            group_size=2, keep_last=1, alive=lambda: None)
     with pytest.raises(RuntimeError, match="cannot write"):  # before: waited out the timeout
         ckpt._rollout_state(str(tmp_path / "step_00000002.rollout.json"), timeout_s=5.0)
+
+
+@pytest.mark.timeout(60)
+def test_resume_takes_the_learners_publication_even_below_the_saved_version(tmp_path):
+    """Whatever version the resumed learner publishes first is the policy now: waiting for the
+    saved (higher) one would wait for ever."""
+    cfg, prompts, sink = make()
+    state = {"format": 1, "version": 5, "loader": {"pos": 0}, "episodes": [], "counters": {}, "gate": None,
+             "weights": {"version": 5, "kind": "disk", "location": str(tmp_path / "gone"), "num_bytes": 1}}
+    (tmp_path / "v4").mkdir()
+    engines = [FolderEngine("fake://0")]
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, GroupWorkflow(cfg, Scorer(), seed=1), sink)
+        mgr.load_state_dict(state)
+        run = asyncio.create_task(mgr.arun())
+        await asyncio.sleep(0.05)
+        await mgr.aupdate_weights(WeightVersion(4, "disk", str(tmp_path / "v4")))
+        await asyncio.wait_for(run, 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    assert m["rollout/engine_failures"] == 0 and m["rollout/version"] == 4
+    assert engines[0].versions_generated == {4} and len(sink.groups) == len(prompts.items)

@@ -16,7 +16,6 @@ import asyncio
 import os
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from aiohttp import web
 
 from megatron_darl.config import load_config
 from megatron_darl.rollout.api import GenerateRequest, SamplingParams
-from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.rollout.engine_server import engine_command
+from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.rollout.sglang_client import SGLangClient
 from megatron_darl.rollout.workflow import GroupWorkflow
 from megatron_darl.types import WeightVersion
