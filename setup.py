@@ -1,7 +1,8 @@
 """megatron-darl: asynchronous RL post-training (D-ARL) on Megatron-Core with interruptible rollouts.
 
 `pip install -e .` installs everything the CPU path needs (pinned where versions matter);
-`pip install -e .[gpu]` adds Transformer Engine and SGLang for GPU clusters.
+`pip install -e .[gpu]` adds Transformer Engine for GPU learners; SGLang servers get their own
+environment (`pip install -r requirements-sglang.txt`: SGLang pins another torch).
 """
 
 from setuptools import find_packages, setup
@@ -35,9 +36,14 @@ setup(
     packages=find_packages(include=["megatron_darl", "megatron_darl.*", "checkpoint_tools", "checkpoint_tools.*"]),
     install_requires=CPU_REQUIRES,
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang"],
-        # gguf + accelerate: transformers reads the SmolLM2 GGUF (a real trained Llama) in the learner tests
-        "test": ["pytest", "pytest-timeout", "gguf", "accelerate"],
+        # megatron-core 0.16.1 declares transformer-engine>=2.9,<2.12 (its `dev` extra). SGLang is
+        # not an extra: sglang==0.5.23 requires torch==2.14.1 and this package torch==2.13.0, so
+        # no environment holds both; its servers run in their own (requirements-sglang.txt pins
+        # the release the client is tested against, see docs/sglang_protocol.md).
+        "gpu": ["transformer-engine[pytorch]==2.11.0"],
+        # msgspec: to import the pinned SGLang's contract; gguf + accelerate: transformers reads
+        # the SmolLM2 GGUF (a real trained Llama) in the learner tests
+        "test": ["pytest", "pytest-timeout", "msgspec", "gguf", "accelerate"],
     },
     entry_points={
         "console_scripts": [

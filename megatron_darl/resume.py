@@ -113,9 +113,8 @@ class RunCheckpointer:
             status = RolloutStatus.from_json(raw, self.status_path) if raw is not None else None
             if status is not None and status.state_path == request and os.path.isfile(request):
                 break
-            error = raw.get("error") if isinstance(raw, dict) else None  # the manager's failure, e.g. its write
-            if error:
-                raise CheckpointError(f"the rollout manager could not save its state to {request}: {error}")
+            if status is not None and status.error:  # the manager stopped (e.g. its write failed): no answer comes
+                raise CheckpointError(f"the rollout manager could not save its state to {request}: {status.error}")
             self.alive()
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the rollout manager did not save its state within {timeout_s} s "

@@ -10,6 +10,7 @@ What it is not: transport code or decoding code; those live in `sglang_client.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -20,7 +21,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 @dataclass
 class SamplingParams:
-    """The subset of SGLang `sampling_params` an RL rollout uses."""
+    """The subset of SGLang `sampling_params` an RL rollout uses. `to_json` gives SGLang's
+    field names: `seed` travels as `sampling_seed` (SGLang's SamplingParams is a strict struct:
+    an unknown key fails the whole request)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -28,19 +31,19 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # per-request sampler seed (SGLang: `sampling_seed`, an int64)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_new_tokens": int(self.max_new_tokens),
+            "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "ignore_eos": bool(self.ignore_eos),
         }
         if self.seed is not None:
-            d["seed"] = self.seed
+            d["sampling_seed"] = int(self.seed)
         return d
 
 
@@ -56,8 +59,9 @@ class GenerateRequest:
 @dataclass
 class GenerateResponse:
     """What came back for one request. `output_versions[t]` is the weight version that sampled
-    token t: SGLang reports one `weight_version` per request, so its client tags every token
-    with it; the embedded engine reports per-token versions (`output_token_versions`)."""
+    token t, read from the answer's `meta_info.weight_versions` spans (`[{version, start,
+    end}]`, one per version that produced tokens; SGLang and the embedded engine both send
+    them), or from its single `weight_version` when a server sends no spans."""
 
     rid: str
     output_ids: list[int]
@@ -125,10 +129,14 @@ class RolloutConfig:
             errs.append(("group_size", "must be >= 1"))
         if self.max_new_tokens < 1:
             errs.append(("max_new_tokens", "must be >= 1"))
-        if self.temperature <= 0:
-            errs.append(("temperature", "must be > 0 (behavior log-probs are taken under it)"))
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            errs.append(("temperature", "must be finite and > 0 (behavior log-probs are taken under it)"))
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             errs.append(("top_p", "must be in (0, 1]"))
+        if self.top_k != -1 and self.top_k < 1:
+            errs.append(("top_k", "must be -1 (no truncation) or >= 1"))
+        if self.max_concurrent_per_engine < 1:
+            errs.append(("max_concurrent_per_engine", "must be >= 1"))
         if not self.partial_rollout and self.pause_mode != "abort":
             errs.append(("partial_rollout", "false (restart interrupted samples) needs pause_mode=abort: "
                          "retract/in_place keep requests on the engine, which continue them"))

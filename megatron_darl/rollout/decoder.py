@@ -128,8 +128,9 @@ class ModelSpec:
 
 
 def load_hf_tensors(model_dir: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Read every *.safetensors file of `model_dir` as fp32 and check names and shapes against
-    `spec`; raises WeightLoadError naming the first offending tensor (nothing is half-loaded)."""
+    """Read every *.safetensors file of `model_dir` as fp32 and check names, shapes and values
+    (finite: a well-formed file of NaNs is refused, not served) against `spec`; raises
+    WeightLoadError naming the first offending tensor (nothing is half-loaded)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"{model_dir}: no *.safetensors files")
@@ -146,7 +147,11 @@ def load_hf_tensors(model_dir: str | Path, spec: ModelSpec) -> dict[str, torch.T
                 if tuple(t.shape) != expected[name]:
                     raise WeightLoadError(f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, "
                                           f"the running model expects {expected[name]}")
-                tensors[name] = t.to(torch.float32)
+                t = t.to(torch.float32)
+                if not bool(torch.isfinite(t).all()):
+                    bad = int((~torch.isfinite(t)).sum())
+                    raise WeightLoadError(f"{path.name}: tensor {name!r} has {bad} non-finite value(s) (NaN or Inf)")
+                tensors[name] = t
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise WeightLoadError(f"{model_dir}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
@@ -316,6 +321,7 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     finish: dict | None = None
     needs_prefill: bool = True
+    error: str | None = None  # set when decoding failed for this sequence (it leaves the batch)
 
     @property
     def output_ids(self) -> list[int]:
@@ -417,13 +423,22 @@ class Decoder:
         tokens = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=self.device)
         logits = self.model.decode(self.cache, tokens, positions)
-        new, lps = sample(logits, seqs, self.generator)
-        for s, tok, lp in zip(seqs, new, lps):
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            s.versions.append(self.version)
-            s.finish = self._finish_reason(s, tok)
-        self.tokens_generated += len(seqs)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for s, ok in zip(seqs, finite):
+            if not ok:  # a broken model (or an overflow): fail the row, never sample from NaN
+                s.error = f"the model produced non-finite logits at position {len(s.tokens) - 1} (weight version {self.version})"
+                s.finish = {"type": "abort", "message": s.error}
+        good = [i for i, ok in enumerate(finite) if ok]
+        if good:
+            rows = logits if len(good) == len(seqs) else logits[good]  # no copy in the usual case
+            new, lps = sample(rows, [seqs[i] for i in good], self.generator)
+            for i, tok, lp in zip(good, new, lps):
+                s = seqs[i]
+                s.tokens.append(tok)
+                s.logprobs.append(lp)
+                s.versions.append(self.version)
+                s.finish = self._finish_reason(s, tok)
+        self.tokens_generated += len(good)
         return self._evict(lambda s: s.finish is not None)
 
     def remove(self, rid: str | None = None) -> list[Sequence]:

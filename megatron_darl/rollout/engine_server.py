@@ -6,10 +6,15 @@ decode together (continuous batching: they join between steps and leave when fin
 partial output with finish_reason abort; retract/in_place: they stay and continue after
 /continue_generation); /update_weights_from_disk swaps weights between steps and bumps the
 version, and running sequences continue under the new weights with their KV recomputed.
-Every output token reports the version that sampled it in `meta_info.output_token_versions`
-(an addition to SGLang's fields; SGLang clients ignore it). Routes and fields: see
-shared/SGLANG_PROTOCOL.md. The same weight route serves the shared-memory variant: a learner
-on the node publishes its HF folder under /dev/shm and passes that path.
+Answers have SGLang 0.5.23's shape, per-token versions in `meta_info.weight_versions` spans
+(`engine_requests.py` validates requests and writes answers; docs/sglang_protocol.md lists
+the routes and fields). The same weight route serves the shared-memory variant: a learner on
+the node publishes its HF folder under /dev/shm and passes that path.
+Robustness: every request field is validated (400 naming it); a failure while decoding fails
+the requests it concerns (500, logged), never the loop; decoding and weight loading run off the
+event loop, so /health and control routes answer while 256 sequences decode; weights with
+NaN/Inf are refused (400, old weights kept) and /health_generate checks that the model still
+produces finite log-probs; SIGTERM ends in-flight requests (503) and stops at once.
 What it is not: a tokenizer (input_ids only), a streaming server, or an NCCL weight receiver
 (those routes answer 400).
 """
@@ -20,6 +25,8 @@ import argparse
 import asyncio
 import hmac
 import json
+import logging
+import math
 import os
 import sys
 import time
@@ -33,106 +40,31 @@ from aiohttp import web
 
 from megatron_darl.rollout.api import PAUSE_MODES, SamplingParams
 from megatron_darl.rollout.decoder import Decoder, Sequence, WeightLoadError
+from megatron_darl.rollout.engine_requests import BadRequest, parse_generate, response_json
+
+log = logging.getLogger("darl-engine")
+
+HEALTH_TIMEOUT_S = 20.0  # as SGLang's HEALTH_CHECK_TIMEOUT: no decode progress for this long is unhealthy
+LISTEN_BACKLOG = 2048  # hundreds of clients connect at once when a run starts (the default is 128)
 
 
-class BadRequest(ValueError):
-    """A malformed request body; the message names the field."""
+class EngineFailure(RuntimeError):
+    """Decoding failed for a request (answered with HTTP 500; the engine goes on)."""
 
 
-def _field(body: dict, name: str, kinds: type | tuple[type, ...], default=None, where: str = ""):
+class ShuttingDown(RuntimeError):
+    """The server is stopping (answered with HTTP 503)."""
+
+
+def _field(body: dict, name: str, kinds: type | tuple[type, ...], default=None):
     value = body.get(name, default)
     if value is None:
         return default
     allowed = kinds if isinstance(kinds, tuple) else (kinds,)
     # bool is an int subclass: reject `true` where a number is wanted
     if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-        raise BadRequest(f"field '{where}{name}' must be {kinds}, got {type(value).__name__} {value!r}")
+        raise BadRequest(f"field '{name}' must be {kinds}, got {type(value).__name__} {value!r}")
     return value
-
-
-def parse_sampling(raw: object, where: str = "sampling_params.") -> SamplingParams:
-    """SGLang `sampling_params` dict -> SamplingParams, validating each field."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest(f"field 'sampling_params' must be an object, got {type(raw).__name__}")
-    unsupported = sorted(k for k in ("stop", "n", "min_p", "regex", "json_schema") if raw.get(k) not in (None, 1, 0.0, [], ""))
-    if unsupported:
-        raise BadRequest(f"field '{where}{unsupported[0]}' is not supported by the embedded engine")
-    num = (int, float)
-    sp = SamplingParams(
-        temperature=float(_field(raw, "temperature", num, 1.0, where)),
-        top_p=float(_field(raw, "top_p", num, 1.0, where)),
-        top_k=_field(raw, "top_k", int, -1, where),
-        max_new_tokens=_field(raw, "max_new_tokens", int, 128, where),
-        stop_token_ids=list(_field(raw, "stop_token_ids", list, [], where)),
-        ignore_eos=_field(raw, "ignore_eos", bool, False, where),
-        seed=_field(raw, "seed", int, None, where),
-    )
-    if sp.temperature < 0:
-        raise BadRequest(f"field '{where}temperature' must be >= 0, got {sp.temperature}")
-    if not 0 < sp.top_p <= 1:
-        raise BadRequest(f"field '{where}top_p' must be in (0, 1], got {sp.top_p}")
-    if sp.max_new_tokens < 1:
-        raise BadRequest(f"field '{where}max_new_tokens' must be >= 1, got {sp.max_new_tokens}")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in sp.stop_token_ids):
-        raise BadRequest(f"field '{where}stop_token_ids' must be a list of integers")
-    return sp
-
-
-def parse_generate(body: dict, vocab_size: int) -> tuple[list[tuple[str, list[int], SamplingParams]], bool]:
-    """A /generate body -> ([(rid, input_ids, sampling)], batched?)."""
-    if body.get("text") is not None:
-        raise BadRequest("field 'text' is not supported: the embedded engine has no tokenizer; send 'input_ids'")
-    if body.get("stream"):
-        raise BadRequest("field 'stream' must be false: the embedded engine does not stream")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("field 'input_ids' is required: a non-empty list of token ids (or a list of such lists)")
-    batched = isinstance(ids[0], list)
-    prompts = ids if batched else [ids]
-    for i, p in enumerate(prompts):
-        ok = isinstance(p, list) and p and all(type(t) is int and 0 <= t < vocab_size for t in p)  # no bools
-        if not ok:
-            where = f"input_ids[{i}]" if batched else "input_ids"
-            raise BadRequest(f"field '{where}' must be a non-empty list of token ids in [0, {vocab_size})")
-    raw_sp = body.get("sampling_params")
-    if isinstance(raw_sp, list):
-        if len(raw_sp) != len(prompts):
-            raise BadRequest(f"field 'sampling_params' has {len(raw_sp)} entries for {len(prompts)} prompts")
-        sps = [parse_sampling(s, f"sampling_params[{i}].") for i, s in enumerate(raw_sp)]
-    else:
-        sps = [parse_sampling(raw_sp)] * len(prompts)
-    rid = body.get("rid")
-    if rid is None:
-        rids = [uuid.uuid4().hex for _ in prompts]
-    elif batched and isinstance(rid, list) and len(rid) == len(prompts) and all(isinstance(r, str) for r in rid):
-        rids = rid
-    elif not batched and isinstance(rid, str):
-        rids = [rid]
-    else:
-        raise BadRequest("field 'rid' must be a string (a list of strings, one per prompt, for batched input_ids)")
-    return list(zip(rids, [list(p) for p in prompts], sps)), batched
-
-
-def response_json(seq: Sequence, started: float, version: int) -> dict:
-    """SGLang's /generate answer for one finished sequence (plus output_token_versions)."""
-    out = seq.output_ids
-    return {
-        "text": "",
-        "output_ids": out,
-        "meta_info": {
-            "id": seq.rid,
-            "finish_reason": seq.finish,
-            "prompt_tokens": seq.prompt_len,
-            "completion_tokens": len(out),
-            "cached_tokens": 0,
-            "weight_version": str(seq.versions[-1] if seq.versions else version),
-            "e2e_latency": time.monotonic() - started,
-            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(seq.logprobs, out)],
-            "output_token_versions": list(seq.versions),
-        },
-    }
 
 
 class EngineServer:
@@ -146,42 +78,77 @@ class EngineServer:
         self.api_key = api_key
         self.pending: deque[Sequence] = deque()
         self.futures: dict[str, asyncio.Future] = {}
+        self.started_at: dict[str, float] = {}
         self.paused = False
-        self.failure: str | None = None
+        self.closing = False
+        self.broken: str | None = None  # the model produced non-finite logits; cleared by a good probe or load
+        self.steps = 0  # decode steps completed (health: progress while busy)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="darl-decode")
         self.step_lock: asyncio.Lock | None = None
         self.wake: asyncio.Event | None = None
+        self.progress: asyncio.Condition | None = None
         self.loop_task: asyncio.Task | None = None
 
     # ---- decode loop -------------------------------------------------------------------
     async def aloop(self) -> None:
-        run = asyncio.get_running_loop().run_in_executor
+        """Decode until cancelled. Nothing a request does can end this loop: a failure fails
+        the requests it concerns (logged) and the loop goes on."""
         while True:
             if self.paused or not (self.decoder.rows or self.pending):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            async with self.step_lock:
-                if self.paused:
-                    continue
-                while self.pending and self.decoder.free_slots > 0:
-                    self.decoder.add(self.pending.popleft())
-                try:
-                    finished = await run(self.executor, self.decoder.step)
-                except Exception as exc:  # a broken step must fail requests loudly, not hang them
-                    self.failure = f"decode step failed: {exc!r}"
-                    for fut in self.futures.values():
-                        if not fut.done():
-                            fut.set_exception(RuntimeError(self.failure))
-                    raise
-            for seq in finished:
-                self._resolve(seq)
+            try:
+                await self._astep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug outside decode itself: fail what is running, keep serving
+                log.exception("decode loop: unexpected failure; failing the running requests")
+                async with self.step_lock:
+                    self._fail(self.decoder.remove(None), f"engine error: {exc!r}")
             await asyncio.sleep(0)  # let HTTP handlers (pause, new requests) in between steps
+
+    async def _astep(self) -> None:
+        async with self.step_lock:
+            if self.paused:
+                return
+            while self.pending and self.decoder.free_slots > 0:
+                seq = self.pending.popleft()
+                try:
+                    self.decoder.add(seq)
+                except Exception as exc:  # validated at the door, so this is a bug: this request only
+                    log.exception("request %s could not join the batch", seq.rid)
+                    self._fail([seq], f"request could not start: {exc!r}")
+            if not self.decoder.rows:
+                return
+            try:
+                finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.decoder.step)
+            except Exception as exc:
+                seqs = self.decoder.remove(None)
+                log.exception("decode step failed; failing its %d request(s)", len(seqs))
+                self._fail(seqs, f"decode step failed: {exc!r}")
+                return
+            self.steps += 1
+        for seq in finished:
+            if seq.error is not None:
+                log.error("request %s failed: %s", seq.rid, seq.error)
+                self.broken = seq.error
+                self._fail([seq], seq.error)
+            else:
+                self._resolve(seq)
+        async with self.progress:
+            self.progress.notify_all()
 
     def _resolve(self, seq: Sequence) -> None:
         fut = self.futures.pop(seq.rid, None)
         if fut is not None and not fut.done():
             fut.set_result(seq)
+
+    def _fail(self, seqs: list[Sequence], message: str, kind: type[Exception] = EngineFailure) -> None:
+        for seq in seqs:
+            fut = self.futures.pop(seq.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(kind(message))
 
     def _abort(self, rid: str | None, message: str) -> int:
         """End running and waiting requests (all when rid is None) with finish_reason abort.
@@ -196,6 +163,8 @@ class EngineServer:
 
     # ---- routes ------------------------------------------------------------------------
     async def agenerate(self, request: web.Request) -> web.Response:
+        if self.closing:
+            raise ShuttingDown("the engine is shutting down")
         items, batched = parse_generate(await _ajson(request), self.decoder.spec.vocab_size)
         started = time.monotonic()
         dup = [rid for rid, _, _ in items if rid in self.futures]
@@ -218,7 +187,14 @@ class EngineServer:
                 for rid, _, _ in items:
                     self._abort(rid, "client disconnected")
             raise
-        out = [response_json(s, started, self.decoder.version) for s in seqs]
+        except (EngineFailure, ShuttingDown):
+            async with self.step_lock:  # the other prompts of a batched request end too
+                for rid, _, _ in items:
+                    self._abort(rid, "another prompt of the same request failed")
+            raise
+        latency = time.monotonic() - started
+        out = [response_json(s.rid, s.output_ids, s.logprobs, s.versions, s.finish, s.prompt_len, latency,
+                             self.decoder.version) for s in seqs]
         return web.json_response(out if batched else out[0])
 
     async def apause(self, request: web.Request) -> web.Response:
@@ -238,13 +214,13 @@ class EngineServer:
         await _ajson(request, allow_empty=True)
         self.paused = False
         self.wake.set()
-        return web.json_response({"message": "Generation continued.", "status": "ok"})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def aabort_request(self, request: web.Request) -> web.Response:
         body = await _ajson(request, allow_empty=True)
         rid = _field(body, "rid", str, None)
         abort_all = _field(body, "abort_all", bool, False)
-        if rid is None and not abort_all:
+        if not rid and not abort_all:
             raise BadRequest("field 'rid' is required unless 'abort_all' is true")
         async with self.step_lock:
             self._abort(None if abort_all else rid, "aborted by /abort_request")
@@ -264,14 +240,17 @@ class EngineServer:
         async with self.step_lock:
             if abort_all:
                 self._abort(None, "aborted for a weight update")
-            try:
+            try:  # off the event loop: health and control routes answer during a long load
                 await asyncio.get_running_loop().run_in_executor(self.executor, self.decoder.load_weights, path)
             except (WeightLoadError, OSError) as exc:
                 msg = f"weights at {path} not loaded, version stays {self.decoder.version}: {exc}"
-                return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
+                log.error("%s", msg)
+                return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
             self.decoder.version = version
             self.model_path = path
+            self.broken = None
             waiting = len(self.decoder.rows) + len(self.pending)
+        log.info("loaded weights from %s as version %d", path, version)
         return web.json_response({
             "success": True,
             "message": f"Loaded weights from {path} as version {version}.",
@@ -281,30 +260,53 @@ class EngineServer:
     async def aunsupported(self, request: web.Request) -> web.Response:
         msg = (f"{request.path} is not supported on the embedded engine; publish an HF folder and "
                "use /update_weights_from_disk (a /dev/shm path for a learner on the same node)")
-        return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
+        return web.json_response({"success": False, "message": msg}, status=400)
 
     async def ahealth(self, request: web.Request) -> web.Response:
-        if self.failure or (self.loop_task is not None and self.loop_task.done()):
-            return web.json_response({"error": self.failure or "decode loop stopped"}, status=503)
+        """Liveness: the decode loop runs (it never ends by itself; this catches a bug)."""
+        if self.loop_task is not None and self.loop_task.done():
+            return web.json_response({"error": "decode loop stopped"}, status=503)
+        if self.closing:
+            return web.json_response({"error": "shutting down"}, status=503)
         return web.Response(status=200)
 
     async def ahealth_generate(self, request: web.Request) -> web.Response:
-        """Generate one token, as SGLang does; a paused engine counts as healthy (its loop is
-        alive, it is waiting for /continue_generation)."""
+        """Readiness, as SGLang decides it: a paused engine answers 503 (SGLang's probe waits
+        behind the pause and times out); a busy one is healthy when a decode step completes
+        within HEALTH_TIMEOUT_S (its probe never waits behind a full batch) and the model
+        gives finite logits; an idle one decodes one greedy token and checks its log-prob."""
         bad = await self.ahealth(request)
-        if bad.status != 200 or self.paused:
+        if bad.status != 200:
             return bad
+        if self.paused:
+            return web.json_response({"error": "generation is paused (/continue_generation resumes it)"}, status=503)
+        if self.decoder.rows or self.pending:
+            start = self.steps
+            async with self.progress:
+                try:
+                    await asyncio.wait_for(self.progress.wait_for(lambda: self.steps > start), HEALTH_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    return web.json_response({"error": f"no decode step in {HEALTH_TIMEOUT_S:.0f} s"}, status=503)
+            if self.broken is None:
+                return web.Response(status=200)
+        return await self._aprobe()
+
+    async def _aprobe(self) -> web.Response:
         rid = f"health-{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.futures[rid] = fut
-        self.pending.append(Sequence(rid=rid, tokens=[0], prompt_len=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=1)))
+        probe = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+        self.pending.append(Sequence(rid=rid, tokens=[0], prompt_len=1, sampling=probe))
         self.wake.set()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout=30.0)
-        except (asyncio.TimeoutError, RuntimeError) as exc:
+            seq = await asyncio.wait_for(asyncio.shield(fut), timeout=HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineFailure, ShuttingDown) as exc:
             async with self.step_lock:  # do not leave the probe behind in the batch
-                self._abort(rid, "health probe timed out")
-            return web.json_response({"error": f"health generation failed: {exc!r}"}, status=503)
+                self._abort(rid, "health probe ended")
+            return web.json_response({"error": f"health generation failed: {exc}"}, status=503)
+        if not all(math.isfinite(lp) for lp in seq.logprobs):
+            return web.json_response({"error": f"the model gives non-finite log-probs {seq.logprobs}"}, status=503)
+        self.broken = None
         return web.Response(status=200)
 
     async def amodel_info(self, request: web.Request) -> web.Response:
@@ -351,6 +353,7 @@ class EngineServer:
             r.add_get(route, handler)
         r.add_post("/flush_cache", self.aflush_cache)
         app.on_startup.append(self._astart)
+        app.on_shutdown.append(self._ashutdown)
         app.on_cleanup.append(self._astop)
         return app
 
@@ -364,10 +367,26 @@ class EngineServer:
             return await handler(request)
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        except EngineFailure as exc:
+            return web.json_response({"error": str(exc)}, status=500)
+        except ShuttingDown as exc:
+            return web.json_response({"error": str(exc)}, status=503)
 
     async def _astart(self, app: web.Application) -> None:
-        self.step_lock, self.wake = asyncio.Lock(), asyncio.Event()
+        self.step_lock, self.wake, self.progress = asyncio.Lock(), asyncio.Event(), asyncio.Condition()
         self.loop_task = asyncio.create_task(self.aloop())
+
+    async def _ashutdown(self, app: web.Application) -> None:
+        """SIGTERM: answer every open request now (503), so that no handler holds the exit."""
+        self.closing = True
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+        waiting = len(self.futures)
+        for fut in self.futures.values():
+            if not fut.done():
+                fut.set_exception(ShuttingDown("the engine is shutting down"))
+        self.futures.clear()
+        log.info("shutting down; %d open request(s) answered 503", waiting)
 
     async def _astop(self, app: web.Application) -> None:
         if self.loop_task is not None:
@@ -411,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without a seed")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -420,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"darl-engine: cannot load --model {args.model}: {exc}")
     server = EngineServer(decoder, str(Path(args.model)), api_key=args.api_key)
     print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device}, serving http://{args.host}:{args.port}", flush=True)
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
+                backlog=LISTEN_BACKLOG, shutdown_timeout=5.0)
 
 
 if __name__ == "__main__":

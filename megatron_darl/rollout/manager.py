@@ -182,8 +182,10 @@ class RolloutManager:
         self._restarter = restarter
         self._notice_path, self._status_path = notice_path, status_path
         self._slots = [_Slot(i, e, initial_version) for i, e in enumerate(engines)]
+        self._initial_version = initial_version  # what engines serve before any push (and after a restart)
         self._version = initial_version
-        self._weights: WeightVersion | None = None
+        self._weights: WeightVersion | None = None  # what every engine must serve; None: the initial weights
+        self._awaiting_weights = False  # restored at a version no engine serves yet: wait for its publication
         self._poll_s, self._health_s, self._restart_grace_s = poll_interval_s, health_interval_s, restart_grace_s
         slots = len(engines) * config.max_concurrent_per_engine
         self._max_inflight = max_inflight_groups or max(1, math.ceil(slots / config.group_size))
@@ -199,6 +201,7 @@ class RolloutManager:
         self._paused = self._stopping = self._stop_requested = self._exhausted = False
         self._started = False
         self._fatal: BaseException | None = None
+        self._error: str | None = None  # the fatal error as the learner reads it in the status
         self._state_answered: str | None = None
         self._rid_seq = 0
         self._count: collections.Counter[str] = collections.Counter({k: 0 for k in COUNTERS})
@@ -217,14 +220,15 @@ class RolloutManager:
             return
         self._started = True
         self._window = (self._clock(), self._busy(), *self._window[2:])
-        behind = [s for s in self._slots if s.version != self._version] if self._weights is not None else []
-        if behind:  # restored from a checkpoint: engines catch up (`_apush` resumes them)
-            await self._apush(self._weights, behind)
-        # resume the others too: a previous manager may have stopped in the middle of an update
-        await asyncio.gather(*(self._aop(s, "resume", s.engine.aresume) for s in self._slots if s not in behind))
-        self._background = [asyncio.create_task(self._aadmit_loop()), asyncio.create_task(self._ahealth_loop())]
+        # a previous manager may have stopped in the middle of an update, leaving engines paused
+        await asyncio.gather(*(self._aop(s, "resume", s.engine.aresume) for s in self._slots))
+        if self._awaiting_weights:
+            log.info("restored at weight version %d: requests start once the learner publishes it",
+                     self._version)
+        loops = [("admission", self._aadmit_forever), ("health checks", self._ahealth_loop)]
         if self._notice_path:
-            self._background.append(asyncio.create_task(self._anotice_loop()))
+            loops.append(("notice polling", self._anotice_loop))
+        self._background = [asyncio.create_task(self._aguard(name, loop)) for name, loop in loops]
 
     async def arun(self) -> None:
         """Run until a stop notice, `request_stop()`, a fatal error, or no prompts left (noticed
@@ -238,6 +242,11 @@ class RolloutManager:
             await self.astop()
         if self._fatal is not None:
             raise self._fatal
+
+    @property
+    def error(self) -> str | None:
+        """Why the manager stopped, when a background task failed (also in its status file)."""
+        return self._error
 
     def request_stop(self) -> None:
         self._stop_requested = True
@@ -267,12 +276,14 @@ class RolloutManager:
 
     async def aupdate_weights(self, weights: WeightVersion) -> None:
         """Pause every live engine (`pause_mode`), load `weights`, resume. Older versions are ignored;
-        the current version is loaded again only from a new location (a resumed run publishes
-        the checkpoint's version afresh: the saved location may be gone with the old run)."""
+        the current version is loaded again only from a new location, or when a restored manager
+        waits for it (a resumed run publishes the checkpoint's version afresh at launch)."""
         async with self._update_lock:
-            same = self._weights is not None and weights.location == self._weights.location
-            if weights.version < self._version or (weights.version == self._version and
-                                                   (same or self._weights is None)):
+            same = self._weights is None or weights.location == self._weights.location
+            # a restored manager takes the learner's first publication whatever its version: it
+            # is what the resumed policy is (waiting for a higher one could wait for ever)
+            if not self._awaiting_weights and (weights.version < self._version or
+                                               (weights.version == self._version and same)):
                 return
             t0 = self._clock()
             self._paused = True
@@ -281,9 +292,12 @@ class RolloutManager:
                 mode = self.config.pause_mode
                 await asyncio.gather(*(self._aop(s, "pause", lambda s=s: s.engine.apause(mode)) for s in live))
                 self._version, self._weights = weights.version, weights
+                self._awaiting_weights = False  # engines that miss it now get it when they come back
                 if self._gate is not None:
                     self._gate.on_version(weights.version)
                 await self._apush(weights, [s for s in live if s.up])
+                # nothing stays paused: an engine whose pause or update failed is down, but resumed
+                await asyncio.gather(*(self._aresume_quietly(s) for s in live if not s.up))
             finally:
                 self._paused = False
                 self._signal.notify()
@@ -309,7 +323,10 @@ class RolloutManager:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore before `astart()`: in-flight prompts are re-run first, partial tokens kept."""
+        """Restore before `astart()`: in-flight prompts are re-run first, partial tokens kept.
+        The saved weight location belongs to the dead run (its /dev/shm folder is gone, a disk
+        folder may be rewritten): engines get the restored version from the learner's
+        publication of it (it publishes its start version at launch); until then, no requests."""
         if self._started:
             raise RuntimeError("RolloutManager.load_state_dict must be called before astart()")
         if state.get("format") != STATE_FORMAT:
@@ -318,7 +335,10 @@ class RolloutManager:
         self._resume = collections.deque(Episode.from_json(e) for e in state["episodes"])
         self._version = int(state["version"])
         w = state.get("weights")
-        self._weights = weight_version_from_json(w, "rollout state 'weights'") if w else None
+        if w:
+            weight_version_from_json(w, "rollout state 'weights'")  # validated, not pushed (see above)
+        self._weights = None
+        self._awaiting_weights = self._version != self._initial_version
         self._count = collections.Counter({k: 0 for k in COUNTERS}, **state.get("counters", {}))
         if self._gate is not None:
             if state.get("gate") is not None and hasattr(self._gate, "load_state_dict"):
@@ -383,7 +403,8 @@ class RolloutManager:
         if self._paused:
             return None
         cap = self.config.max_concurrent_per_engine
-        ready = [s for s in self._slots if s.up and len(s.inflight) < cap]
+        # only engines serving the current version (after a restore: none until it is published)
+        ready = [s for s in self._slots if s.up and s.version == self._version and len(s.inflight) < cap]
         return min(ready, key=lambda s: (len(s.inflight), s.index)) if ready else None
 
     async def _aacquire(self) -> _Slot:
@@ -460,7 +481,19 @@ class RolloutManager:
         except Exception:
             return False
 
+    async def _aresume_quietly(self, slot: _Slot) -> None:
+        """Best-effort /continue_generation to an engine that is down: one left paused after a
+        failed update must not stay so (a paused SGLang server also answers its health route
+        503, so it would never look healthy again). Failures mean it is really gone: ignored."""
+        try:  # bounded: a dead engine must not hold up a weight update or the health loop long
+            await _await_within(slot.engine.aresume(), min(self.config.request_timeout_s, 5.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("engine %d (%s): resume while down failed: %r", slot.index, slot.engine.url, exc)
+
     async def _arevive(self, slot: _Slot) -> None:
+        await self._aresume_quietly(slot)  # before the health check: paused is not dead
         healthy = await self._ahealthy(slot)
         now = self._clock()
         if not healthy and self._restarter is not None and now - slot.last_restart >= self._restart_grace_s:
@@ -480,8 +513,8 @@ class RolloutManager:
                 weights = self._weights
                 ok = await self._aop(slot, "update_weights", lambda: slot.engine.aupdate_weights(weights))
                 slot.version = weights.version if ok else slot.version
-            else:  # nothing published since the start: every engine serves its initial weights
-                slot.version = self._version
+            else:  # nothing to push: it serves its initial weights (behind, after a restore)
+                slot.version = self._initial_version
             # resume too: it may have gone down while paused (a no-op on a running engine)
             if ok and await self._aop(slot, "resume", slot.engine.aresume):
                 slot.up = True  # only now may requests reach it
@@ -503,15 +536,26 @@ class RolloutManager:
         # re-runs (checkpointed, failed scoring) go first, but through the gate like any group
         return self._gate is None or self._gate.capacity() > 0
 
-    async def _aadmit_loop(self) -> None:
+    async def _aguard(self, what: str, loop: Callable[[], Any]) -> None:
+        """Run a background loop; if it fails, the manager stops with that error, logged with its
+        traceback and written to the status file for the learner (a background task never
+        swallows an exception: a silently dead loop froze training before)."""
         try:
-            await self._aadmit_forever()
+            await loop()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a loader or workflow error: stop rather than spin
-            log.error("admission failed: %r; stopping", exc)
-            self._fatal = exc
-            self._signal.notify()
+        except Exception as exc:
+            self._fail(f"{what} failed: {exc!r}", exc)
+
+    def _fail(self, message: str, exc: BaseException) -> None:
+        log.error("rollout manager stopping: %s", message, exc_info=exc)
+        if self._fatal is None:
+            self._fatal, self._error = exc, message
+        self._signal.notify()
+        try:
+            self._write_status()
+        except Exception as status_exc:  # the status folder is broken too: the log still says it
+            log.error("could not write the rollout status with the error: %r", status_exc)
 
     async def _aadmit_forever(self) -> None:
         while True:
@@ -564,9 +608,7 @@ class RolloutManager:
         try:
             await self._sink.aput_group(trajs)
         except Exception as exc:  # the ring is gone or broken: nothing sensible to continue with
-            log.error("writing prompt %d failed: %r; stopping", episode.uid, exc)
-            self._fatal = exc
-            self._signal.notify()
+            self._fail(f"writing prompt {episode.uid} to the ring failed: {exc!r}", exc)
             return
         finally:
             self._writing.discard(episode.uid)
@@ -593,7 +635,10 @@ class RolloutManager:
                 if notice.state_request and notice.state_request != self._state_answered:
                     # a clean cut: every group is then either whole in the ring or in the state
                     await self._signal.wait_for(lambda: not self._writing)
-                    write_json_atomic(notice.state_request, self.state_dict())
+                    try:
+                        write_json_atomic(notice.state_request, self.state_dict())
+                    except OSError as exc:
+                        raise OSError(f"cannot write the rollout state to {notice.state_request}: {exc}") from exc
                     self._state_answered = notice.state_request
                     self._write_status()
                 if notice.stop:
@@ -609,7 +654,7 @@ class RolloutManager:
         c = self._count
         write_status(self._status_path, RolloutStatus(
             version=self._version, groups_written=c["groups_written"], groups_filtered=c["filtered_groups"],
-            state_path=self._state_answered,
+            state_path=self._state_answered, error=self._error,
             metrics={**{f"rollout/{k}": float(v) for k, v in c.items()},
                      **getattr(self._prompts, "metrics", dict)()},  # data rows dropped (rollout/prompts_rejected)
         ))

@@ -22,6 +22,9 @@ from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, Rollout
 from megatron_darl.types import WeightVersion
 
 RETRY_STATUSES = (502, 503, 504)  # proxies and starting servers answer these; worth another try
+# connections kept beside the generation ones, so that pause/update/resume/health calls never
+# wait behind a full pool of /generate requests
+CONTROL_CONNECTIONS = 8
 
 
 class EngineError(RuntimeError):
@@ -50,11 +53,18 @@ class EngineHTTPError(EngineError):
 
 class SGLangClient:
     """`RolloutEngine` over HTTP. Create it anywhere; its aiohttp session opens lazily in the
-    running event loop (and is reopened if a later call runs in another loop)."""
+    running event loop (and is reopened if a later call runs in another loop).
+
+    A busy engine is not a dead one: `connect_timeout_s` bounds only the TCP connect
+    (aiohttp's `sock_connect`), never the wait for a free pooled connection, and the pool holds
+    `max_connections` generation requests plus CONTROL_CONNECTIONS (`None`: no limit; the
+    manager bounds requests per engine itself). aiohttp's default, 100 connections with the
+    pool wait counted in the connect timeout, made the 156 requests beyond the first 100 of a
+    256-wide engine time out after 5 s and the engine be marked down while it was working."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 initial_version: int = 0):
+                 initial_version: int = 0, max_connections: int | None = None):
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s  # whole call, /generate included: a hung engine surfaces after it
@@ -62,13 +72,15 @@ class SGLangClient:
         self.max_retries = max_retries  # extra attempts after the first
         self.backoff_s = backoff_s  # first wait; doubles every retry
         self.initial_version = initial_version  # what SGLang's non-integer "default" version means
+        self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, url: str, cfg: RolloutConfig) -> "SGLangClient":
-        """A client with the rollout config's key, timeout and retries."""
-        return cls(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+    def from_config(cls, url: str, cfg: RolloutConfig, initial_version: int = 0) -> "SGLangClient":
+        """A client with the rollout config's key, timeout, retries and connection pool."""
+        return cls(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
+                   initial_version=initial_version, max_connections=cfg.max_concurrent_per_engine)
 
     # ---- RolloutEngine -----------------------------------------------------------------
     async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
@@ -133,7 +145,8 @@ class SGLangClient:
         empty). Retries connection failures, 502/503/504 and (unless `retry_timeouts` is false)
         timeouts, waiting backoff_s * 2**attempt between attempts."""
         retries = self.max_retries if retries is None else retries
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, connect=self.connect_timeout_s)
+        # sock_connect, not connect: waiting for a pooled connection is not a sign of a dead engine
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         last: BaseException | None = None
         for attempt in range(retries + 1):
@@ -162,7 +175,8 @@ class SGLangClient:
     def _asession(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            self._session = aiohttp.ClientSession()
+            limit = 0 if self.max_connections is None else self.max_connections + CONTROL_CONNECTIONS
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0))
             self._session_loop = loop
         return self._session
 

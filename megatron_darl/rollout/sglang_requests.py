@@ -11,10 +11,15 @@ What it is not: a transport, or a server-side parser (the embedded engine parses
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from megatron_darl.rollout.api import PAUSE_MODES, GenerateRequest, GenerateResponse
 from megatron_darl.types import FINISH_REASONS
+
+# The SGLang release this protocol is written and tested against (setup.py's `sglang` extra
+# pins it; tests/sglang_release.py reads that release's own source). See docs/sglang_protocol.md.
+SGLANG_VERSION = "0.5.23"
 
 
 class ResponseFormatError(ValueError):
@@ -100,42 +105,79 @@ def parse_version(raw: Any, default: int) -> int:
 
 
 def parse_generate(rid: str, data: Any, default_version: int) -> GenerateResponse:
-    """SGLang's /generate answer -> GenerateResponse. Per-token versions come from the embedded
-    engine's `meta_info.output_token_versions`; SGLang has one `weight_version` per request,
-    so then every token is tagged with it."""
+    """SGLang's /generate answer -> GenerateResponse. Besides a normal answer this takes the two
+    shapes a pause produces, both normal outcomes: a request aborted while still queued
+    (`output_ids: []`, finish_reason abort, empty log-prob lists; SGLang leaves out
+    `prompt_tokens` then) and one aborted mid-decode (its partial output with log-probs).
+    Per-token versions come from `meta_info.weight_versions`; see `token_versions`."""
     if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
         raise ResponseFormatError(f"/generate {rid!r}: expected an object with 'meta_info', got {str(data)[:200]}")
     meta = data["meta_info"]
     out = data.get("output_ids")
-    if not isinstance(out, list):
-        raise ResponseFormatError(f"/generate {rid!r}: 'output_ids' missing or not a list")
-    triples = meta.get("output_token_logprobs")
-    if not isinstance(triples, list) or len(triples) != len(out):
-        raise ResponseFormatError(
-            f"/generate {rid!r}: 'meta_info.output_token_logprobs' must hold one [logprob, id, text] per output id "
-            f"({len(out)}); was return_logprob sent?")
-    for i, (t, tok) in enumerate(zip(triples, out)):
-        if not isinstance(t, list) or len(t) < 2 or t[1] != tok:
-            raise ResponseFormatError(f"/generate {rid!r}: meta_info.output_token_logprobs[{i}]={t!r} does not match output id {tok}")
-    version = parse_version(meta.get("weight_version"), default_version)
-    versions = meta.get("output_token_versions")
-    if versions is None:
-        versions = [version] * len(out)
-    elif not isinstance(versions, list) or len(versions) != len(out):
-        raise ResponseFormatError(f"/generate {rid!r}: 'meta_info.output_token_versions' must have one entry per output id")
+    if not isinstance(out, list) or not all(type(t) is int for t in out):
+        raise ResponseFormatError(f"/generate {rid!r}: 'output_ids' missing or not a list of token ids")
+    logprobs = _output_logprobs(rid, meta, out)
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind not in FINISH_REASONS:
         raise ResponseFormatError(f"/generate {rid!r}: meta_info.finish_reason={reason!r}; expected type in {FINISH_REASONS}")
+    version = parse_version(meta.get("weight_version"), default_version)
     return GenerateResponse(
         rid=rid,
-        output_ids=[int(x) for x in out],
-        output_logprobs=[float(t[0]) for t in triples],
-        output_versions=[int(v) for v in versions],
+        output_ids=list(out),
+        output_logprobs=logprobs,
+        output_versions=token_versions(rid, meta, len(out), default_version),
         finish_reason=kind,
         weight_version=version,
-        meta={k: meta[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency") if k in meta},
+        meta={k: meta[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                                   "e2e_latency", "weight_versions") if k in meta},
     )
+
+
+def _output_logprobs(rid: str, meta: dict, out: list[int]) -> list[float]:
+    """`meta_info.output_token_logprobs`: one `[logprob, token_id, text]` per output id."""
+    triples = meta.get("output_token_logprobs")
+    if triples is None and not out:
+        return []  # nothing generated: some abort paths send no log-prob lists at all
+    if not isinstance(triples, list) or len(triples) != len(out):
+        raise ResponseFormatError(
+            f"/generate {rid!r}: 'meta_info.output_token_logprobs' must hold one [logprob, id, text] per output id "
+            f"({len(out)}); was return_logprob sent?")
+    lps = []
+    for i, (t, tok) in enumerate(zip(triples, out)):
+        if not isinstance(t, list) or len(t) < 2 or t[1] != tok or not _is_number(t[0]) or not math.isfinite(t[0]):
+            raise ResponseFormatError(f"/generate {rid!r}: meta_info.output_token_logprobs[{i}]={t!r} is not "
+                                      f"[finite logprob, {tok}, text]")
+        lps.append(float(t[0]))
+    return lps
+
+
+def token_versions(rid: str, meta: dict, n: int, default_version: int) -> list[int]:
+    """The weight version of each of the `n` output tokens, from SGLang's per-request spans
+    `meta_info.weight_versions = [{"version", "start", "end"}]` (half-open token ranges over the
+    output, in order, covering it; written by sglang's `add_weight_versions_to_meta_info`). A
+    request that continued across a weight update (pause_mode retract or in_place) has one span
+    per version. Without spans every token gets `meta_info.weight_version`."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return [parse_version(meta.get("weight_version"), default_version)] * n
+    if not isinstance(spans, list):
+        raise ResponseFormatError(f"/generate {rid!r}: meta_info.weight_versions must be a list of spans")
+    versions: list[int] = []
+    for i, span in enumerate(spans):
+        ok = isinstance(span, dict) and type(span.get("start")) is int and type(span.get("end")) is int
+        if not ok or span["start"] != len(versions) or span["end"] < span["start"]:
+            raise ResponseFormatError(f"/generate {rid!r}: meta_info.weight_versions[{i}]={span!r} does not continue "
+                                      f"the spans before it at token {len(versions)}")
+        versions += [parse_version(span.get("version"), default_version)] * (span["end"] - span["start"])
+    if len(versions) != n:
+        raise ResponseFormatError(f"/generate {rid!r}: meta_info.weight_versions cover {len(versions)} tokens, "
+                                  f"the answer has {n}")
+    return versions
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def check_success(route: str, data: Any) -> dict[str, Any]:

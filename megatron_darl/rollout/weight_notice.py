@@ -118,13 +118,16 @@ class NoticePoller:
 @dataclass(frozen=True)
 class RolloutStatus:
     """What the manager tells the learner. `version`: the weight version every live engine has
-    loaded (the learner may delete older published weights once it moved past them)."""
+    loaded (the learner may delete older published weights once it moved past them). `error`:
+    set when the manager stopped on a failure (e.g. it could not write its state): the learner
+    must fail with it rather than wait for an answer that will not come."""
 
     version: int
     groups_written: int = 0
     groups_filtered: int = 0
     state_path: str | None = None  # the last state_request the manager answered
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the manager stopped (None while it runs)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,6 +142,7 @@ class RolloutStatus:
             groups_filtered=int(d.get("groups_filtered", 0)),
             state_path=d.get("state_path"),
             metrics={str(k): float(v) for k, v in (d.get("metrics") or {}).items()},
+            error=None if d.get("error") is None else str(d["error"]),
         )
 
 

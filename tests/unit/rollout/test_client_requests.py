@@ -1,6 +1,7 @@
 """SGLang request bodies and response parsing, without a server: the bodies carry what SGLang's
-routes read, and answers shaped like SGLang's (one weight_version per request) are tagged
-token by token, while malformed answers fail naming the field."""
+routes read, answers are tagged token by token from their weight_versions spans (or their one
+weight_version), and malformed answers fail naming the field. The same checks against the
+pinned release's own classes are in test_sglang_conformance.py."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_generate_body_has_sglang_fields():
     body = rq.generate_body(GenerateRequest(input_ids=[5, 6], sampling=sp, rid="x"))
     assert body["input_ids"] == [5, 6] and body["rid"] == "x" and body["return_logprob"] is True
     assert body["sampling_params"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
-                                       "stop_token_ids": [2], "ignore_eos": True, "seed": 11}
+                                       "stop_token_ids": [2], "ignore_eos": True, "sampling_seed": 11}
     with pytest.raises(ValueError, match="input_ids is empty"):
         rq.generate_body(GenerateRequest(input_ids=[], sampling=sp, rid="e"))
 
@@ -50,9 +51,10 @@ def test_sglang_answer_tags_every_token_with_the_request_version():
 
 
 def test_per_token_versions_and_finish_reasons():
-    resp = rq.parse_generate("r", sglang_answer([1, 2], output_token_versions=[0, 1],
+    spans = [{"version": "0", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]
+    resp = rq.parse_generate("r", sglang_answer([1, 2, 5], weight_versions=spans,
                                                 reason={"type": "abort", "message": "paused"}), 0)
-    assert resp.output_versions == [0, 1] and resp.finish_reason == "abort"
+    assert resp.output_versions == [0, 1, 1] and resp.finish_reason == "abort"
     stop = rq.parse_generate("r", sglang_answer([1], reason={"type": "stop", "matched": 1}), 0)
     assert stop.finish_reason == "stop"
 
@@ -60,7 +62,11 @@ def test_per_token_versions_and_finish_reasons():
 @pytest.mark.parametrize("mutate,field", [
     (lambda a: a["meta_info"].pop("output_token_logprobs"), "output_token_logprobs"),
     (lambda a: a["meta_info"]["output_token_logprobs"].__setitem__(0, [-1.0, 99, None]), "output_token_logprobs"),
-    (lambda a: a["meta_info"].__setitem__("output_token_versions", [0]), "output_token_versions"),
+    (lambda a: a["meta_info"]["output_token_logprobs"].__setitem__(1, [float("nan"), 2, None]), "output_token_logprobs"),
+    (lambda a: a["meta_info"].__setitem__("weight_versions", [{"version": "1", "start": 0, "end": 1}]),
+     "weight_versions cover 1 tokens"),
+    (lambda a: a["meta_info"].__setitem__("weight_versions", [{"version": "1", "start": 0, "end": 1},
+                                                            {"version": "2", "start": 0, "end": 2}]), "weight_versions"),
     (lambda a: a["meta_info"].__setitem__("finish_reason", {"type": "weird"}), "finish_reason"),
     (lambda a: a.pop("output_ids"), "output_ids"),
 ])

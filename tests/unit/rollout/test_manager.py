@@ -424,11 +424,15 @@ def test_state_round_trip_resumes_partials_and_loses_nothing():
     async def second():
         mgr = RolloutManager(cfg2, engines2, prompts2, wf2, sink2)
         mgr.load_state_dict(state)
-        await asyncio.wait_for(mgr.arun(), 30)
+        run = asyncio.create_task(mgr.arun())
+        await asyncio.sleep(0.1)
+        assert not any(e.requests for e in engines2), "nothing runs on the initial weights of a resumed run"
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))  # the resumed learner publishes v1 anew
+        await asyncio.wait_for(run, 30)
         return mgr
 
     mgr2 = asyncio.run(second())
-    assert all(e.updates == [1] for e in engines2), "restored weights are pushed to the engines"
+    assert all(e.updates == [1] for e in engines2), "the resumed version is pushed to the engines"
     assert sorted(sink.uids + sink2.uids) == [p.uid for p in prompts.prompts]
     assert sink2.uids[: len(partial)] == list(partial), "in-flight prompts are re-run first"
     for g in sink2.groups:
@@ -487,3 +491,58 @@ def test_per_engine_cap_holds_with_more_work_than_slots():
     asyncio.run(main())
     assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
     assert [e.max_active for e in engines] == [3, 3]
+
+
+class SGLangLikeEngine(FakeEngine):
+    """A paused SGLang server answers its health route 503 (its probe waits behind the pause);
+    `fail_updates` weight loads fail (e.g. a bad folder) while it is paused."""
+
+    def __init__(self, *a, fail_updates: int = 0, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.fail_updates = fail_updates
+
+    async def aupdate_weights(self, weights: WeightVersion) -> None:
+        if self.fail_updates:
+            self.fail_updates -= 1
+            raise RuntimeError("HTTP 400: weights not loaded")
+        await super().aupdate_weights(weights)
+
+    async def ahealth(self) -> bool:
+        return not self.paused and await super().ahealth()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_update_leaves_no_engine_paused_and_it_comes_back():
+    cfg, _, prompts, sink, wf = make(n_prompts=12, n_engines=0)
+    engines = [SGLangLikeEngine("fake://0", 0.002, fail_updates=1), SGLangLikeEngine("fake://1", 0.002)]
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, health_interval_s=0.05)  # no restarter
+        await mgr.astart()
+        await asyncio.sleep(0.02)
+        await mgr.aupdate_weights(WeightVersion(1, "disk", "/w/1"))
+        assert not engines[0].paused, "the engine whose update failed is resumed, not left paused"
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    assert m["rollout/engine_failures"] == 1 and m["rollout/engine_recoveries"] == 1, m
+    assert engines[0].updates == [1], "back in service only with the current weights"
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_down_while_paused_is_resumed_before_its_health_check():
+    cfg, _, prompts, sink, wf = make(n_prompts=8, n_engines=0)
+    engines = [SGLangLikeEngine("fake://0", 0.002), SGLangLikeEngine("fake://1", 0.002)]
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, health_interval_s=0.05)
+        await mgr.astart()
+        await engines[0].apause("in_place")  # e.g. left paused by a manager that died mid-update
+        mgr._mark_down(mgr._slots[0], "test: connection reset")
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    m = asyncio.run(main())
+    assert m["rollout/engine_recoveries"] == 1 and m["rollout/engines_up"] == 2, m

@@ -1,0 +1,272 @@
+"""Faults and hostile input on the embedded engine (issue 15, items 2 and 3), probed as a user's
+bad day would: each test reproduces a probe that did not hold and checks that it now does.
+
+- one request never kills the engine: `sampling_seed` 2**64 (and the old `seed` key), NaN or
+  Infinity temperature are refused with a clean 400 naming the field, and the engine serves
+  normally afterwards; a failure while decoding one request fails that request (logged), never
+  the decode loop;
+- SIGTERM with a request waiting stops the engine promptly (it answers the request 503);
+- a well-formed safetensors full of NaN is refused by /update_weights_from_disk (400,
+  success false, old weights kept); a model that gives non-finite logits is reported by
+  /health_generate (503) and refused at start.
+Engines are real `darl-engine` processes (or the same server in this process where a fault must
+be injected) on 127.0.0.1, always stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from megatron_darl.rollout.decoder import Decoder  # noqa: E402
+from megatron_darl.rollout.engine_server import EngineServer, engine_command  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False,
+            eos_token_id=95, bos_token_id=94)
+
+
+def save_tiny(path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(str(path))
+    return path
+
+
+def save_nan_copy(src: Path, dst: Path) -> Path:
+    """A well-formed HF folder whose every tensor is NaN."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, route: str, body: dict | str | None = None, timeout: float = 60) -> tuple[int, dict | str]:
+    data = None if body is None else (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(url + route, data=data, method="GET" if data is None else "POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read().decode(), exc.code
+    try:
+        return status, json.loads(raw) if raw else ""
+    except ValueError:
+        return status, raw
+
+
+def generate(url: str, sampling: dict | str, rid: str = "r", timeout: float = 60) -> tuple[int, dict | str]:
+    sp = sampling if isinstance(sampling, str) else json.dumps(sampling)
+    body = f'{{"input_ids": [1, 2, 3], "rid": "{rid}", "return_logprob": true, "sampling_params": {sp}}}'
+    return call(url, "/generate", body, timeout)
+
+
+@contextmanager
+def engine(model: Path, log: Path):
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = open(log, "w")
+    proc = subprocess.Popen(engine_command(str(model), port, max_batch=16), stdout=out, stderr=subprocess.STDOUT,
+                            env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if call(url, "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"darl-engine did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults-engine")
+    save_tiny(root / "v0", 0)
+    save_nan_copy(root / "v0", root / "nan")
+    with engine(root / "v0", root / "engine.log") as (url, proc):
+        yield {"root": root, "url": url, "proc": proc}
+
+
+def assert_serving(url: str) -> None:
+    assert call(url, "/health_generate")[0] == 200
+    status, out = generate(url, {"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 5}, rid="after")
+    assert status == 200 and len(out["output_ids"]) == 3, out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sampling,field", [
+    ('{"sampling_seed": 18446744073709551616}', "sampling_seed"),
+    ('{"seed": 18446744073709551616}', "seed"),  # what killed the decode loop before
+    ('{"temperature": NaN}', "temperature"),
+    ('{"temperature": Infinity}', "temperature"),
+    ('{"top_p": NaN}', "top_p"),
+    ('{"max_new_tokens": -4}', "max_new_tokens"),
+    ('{"top_k": 0}', "top_k"),
+])
+def test_one_hostile_request_gets_a_400_and_the_engine_goes_on(world, sampling, field):
+    status, out = generate(world["url"], sampling)
+    assert status == 400 and f"sampling_params.{field}" in out["error"], (status, out)
+    assert world["proc"].poll() is None
+    assert_serving(world["url"])
+
+
+@pytest.mark.timeout(180)
+def test_nan_weights_are_refused_and_the_old_weights_kept(world):
+    url = world["url"]
+    before = generate(url, {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 9, "temperature": 0.0})[1]
+    status, out = call(url, "/update_weights_from_disk", {"model_path": str(world["root"] / "nan"), "weight_version": "5"})
+    assert status == 400 and out["success"] is False and "non-finite" in out["message"], out
+    assert call(url, "/model_info")[1]["weight_version"] == "0"
+    after = generate(url, {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 9, "temperature": 0.0})[1]
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert_serving(url)
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_does_not_start_on_nan_weights(world, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(engine_command(str(world["root"] / "nan"), _free_port()), capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=90)
+    assert run.returncode != 0 and "non-finite" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_with_a_waiting_request_stops_promptly(tmp_path):
+    save_tiny(tmp_path / "m")
+    with engine(tmp_path / "m", tmp_path / "engine.log") as (url, proc):
+        assert call(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        answers: list = []
+
+        def waiting():  # parked behind the pause: never finishes on its own
+            answers.append(generate(url, {"max_new_tokens": 4}, rid="parked", timeout=90))
+
+        import threading
+
+        t = threading.Thread(target=waiting)
+        t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)  # was 65 s: aiohttp waited 60 s for the parked handler
+        except subprocess.TimeoutExpired:
+            pytest.fail("darl-engine did not stop within 30 s of SIGTERM")
+        t.join(timeout=30)
+    assert code in (0, -signal.SIGTERM)
+    assert answers and answers[0][0] == 503, answers
+
+
+# ---- faults injected into the server in this process --------------------------------------
+
+async def _serve(server: EngineServer):
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _apost(session, url, route, body):
+    async with session.post(url + route, json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_decoding_one_request_fails_that_request_only(tmp_path, caplog):
+    import aiohttp
+
+    decoder = Decoder(save_tiny(tmp_path / "m"), max_batch=8)
+    add = decoder.add
+
+    def add_failing(seq):  # a defect the door's validation did not catch, for one request
+        if seq.rid == "poison":
+            raise ValueError("Overflow when unpacking long long")
+        add(seq)
+
+    decoder.add = add_failing
+    server = EngineServer(decoder, str(tmp_path / "m"))
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+
+    async def main():
+        runner, url = await _serve(server)
+        try:
+            async with aiohttp.ClientSession() as s:
+                outs = await asyncio.wait_for(asyncio.gather(*(_apost(s, url, "/generate", {**body, "rid": rid})
+                                                               for rid in ("a", "poison", "b"))), 60)
+                after = await asyncio.wait_for(_apost(s, url, "/generate", {**body, "rid": "c"}), 60)
+                async with s.get(url + "/health_generate") as r:
+                    health = r.status
+            return outs, after, health
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.ERROR, logger="darl-engine"):
+        (a, poison, b), after, health = asyncio.run(main())
+    assert poison[0] == 500 and "Overflow" in poison[1]["error"], poison
+    assert a[0] == b[0] == after[0] == 200 and len(after[1]["output_ids"]) == 5
+    assert health == 200
+    assert any("poison" in r.getMessage() for r in caplog.records), "the failure is logged, naming the request"
+
+
+@pytest.mark.timeout(120)
+def test_health_generate_detects_a_model_that_gives_nan(tmp_path):
+    import aiohttp
+
+    decoder = Decoder(save_tiny(tmp_path / "m"), max_batch=8)
+    server = EngineServer(decoder, str(tmp_path / "m"))
+
+    async def main():
+        runner, url = await _serve(server)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url + "/health_generate") as r:
+                    good = r.status
+                decoder.model.norm = torch.full_like(decoder.model.norm, float("nan"))  # weights broke in memory
+                async with s.get(url + "/health_generate") as r:
+                    bad = (r.status, await r.text())
+                gen = await asyncio.wait_for(_apost(s, url, "/generate", {
+                    "input_ids": [1, 2], "rid": "x", "sampling_params": {"max_new_tokens": 3}}), 60)
+            return good, bad, gen
+        finally:
+            await runner.cleanup()
+
+    good, bad, gen = asyncio.run(main())
+    assert good == 200
+    assert bad[0] == 503 and "non-finite" in bad[1], bad
+    assert gen[0] == 500 and "non-finite" in gen[1]["error"], gen

@@ -1,0 +1,94 @@
+"""`darl-train` with `rollout.backend=sglang` against a stand-in of the pinned SGLang release.
+
+The stand-in (`sglang_standin.py`) validates every body with sglang 0.5.23's own contract and
+request classes (downloaded by `tests/sglang_release.py`) and answers as that release does
+(weight_versions spans, abort shapes, 503 health while paused). A few training steps run to
+completion, every weight version reaches the server through `/update_weights_from_disk`, no
+request or control call is refused, and the engine is never marked down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from e2e_harness import new_run
+from sglang_release import fetch_release
+
+STEPS = 3
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health_generate", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def served_calls(path: Path) -> list[dict]:
+    """The stand-in's call log (whole lines only: it may be writing the last one)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+@pytest.mark.timeout(420)
+def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
+    release = fetch_release()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    run = new_run(tmp_path, warm_model, "sglang", train={"steps": STEPS},
+                  rollout={"backend": "sglang", "engine_urls": [url], "pause_mode": "abort"})
+    calls = tmp_path / "calls.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "standin.log", "w")
+    standin = subprocess.Popen([sys.executable, str(HERE / "sglang_standin.py"), "--model", os.path.join(run.run_dir, "model"),
+                                "--port", str(port), "--release-root", release.root, "--version", release.version,
+                                "--calls", str(calls)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not _healthy(url):
+            assert standin.poll() is None and time.monotonic() < deadline, (tmp_path / "standin.log").read_text()
+            time.sleep(0.2)
+        run.start()
+        deadline = time.monotonic() + 240
+        while run.proc.poll() is None:  # a refused body fails at once (the run would wait for data forever)
+            refused = [c for c in served_calls(calls) if c["status"] != 200]
+            assert not refused, f"the release's validation refused: {refused[:3]}"
+            assert time.monotonic() < deadline, f"darl-train did not finish:\n{run.output()[-4000:]}"
+            time.sleep(0.5)
+        code, out = run.proc.returncode, run.output()
+    finally:
+        run.kill()
+        standin.kill()
+        standin.wait()
+        log.close()
+    served = served_calls(calls)
+    refused = [c for c in served if c["status"] != 200]
+    assert code == 0, out[-4000:]
+    assert not refused, f"the release's validation refused: {refused[:3]}"
+    assert [r["step"] for r in run.ledger()] == list(range(STEPS))
+    updates = [c["body"] for c in served if c["route"] == "/update_weights_from_disk"]
+    versions = [int(u["weight_version"]) for u in updates]
+    assert len(versions) >= STEPS - 1 and versions == sorted(set(versions)) and versions[0] == 1, updates
+    assert any(c["route"] == "/pause_generation" for c in served) and any(c["route"] == "/continue_generation" for c in served)
+    generated = [c for c in served if c["route"] == "/generate"]
+    assert {v["version"] for c in generated for v in c["versions"]} >= {"default", "1"}
+    failures = [m["rollout/engine_failures"] for m in run.metrics() if "rollout/engine_failures" in m]
+    assert failures and max(failures) == 0, "the engine was never marked down"
