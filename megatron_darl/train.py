@@ -59,7 +59,7 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         if main:
             feed.store.commit(step, cands.group_ids[chosen])
             telemetry.record_trained(step, sorted(set(train.prompt_ids.tolist())))
-            metrics.update(step_diagnostics(train, step, cfg.algo))
+            metrics.update(step_diagnostics(train, step))
             metrics.update(feed.store.metrics())
             for k, v in publisher.rollout_metrics().items():  # generation side; the batch's own keys win
                 metrics.setdefault(k, v)
@@ -75,16 +75,11 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
     return step - start
 
 
-def step_diagnostics(batch, step: int, acfg) -> dict:
-    """ALGORITHM.md's per-step diagnostics on the batch that was trained (behavior weights with
-    the configured IS options; without proximal log-probs the weights are exactly 1)."""
-    t = lambda a: torch.as_tensor(a)  # noqa: E731
-    prox = batch.prox_logprobs if batch.prox_logprobs is not None else batch.behav_logprobs
-    out = algo.diagnostics(t(prox), t(batch.behav_logprobs), t(batch.loss_mask), t(batch.versions),
-                           level=acfg.rollout_is or "token", mode=acfg.rollout_is_mode,
-                           threshold=acfg.rollout_is_threshold, threshold_lower=acfg.rollout_is_threshold_lower,
-                           veto_threshold=acfg.rollout_is_veto_threshold, current_version=step)
-    out = {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in out.items()}
+def step_diagnostics(batch, step: int) -> dict:
+    """What the trained batch was made of: reward per version, response length, staleness
+    histogram. The behavior-weight statistics (ESS, rho, KL, token share per version) come from
+    the train step alone, computed on the weights its loss used (`learner.train_step`)."""
+    out = algo.staleness_histogram(torch.as_tensor(batch.versions), step)
     for v in np.unique(batch.versions):
         out[f"rollout/reward_mean/v{int(v)}"] = float(batch.rewards[batch.versions == v].mean())
     out["rollout/reward_mean"] = float(batch.rewards.mean())
