@@ -55,7 +55,7 @@ def choose_groups(batch: TrainBatch, cands: Candidates, batch_groups: int, repla
     mask = torch.as_tensor(batch.loss_mask)
     seq_scores = algo.variance_scores(torch.as_tensor(batch.prox_logprobs), torch.as_tensor(batch.behav_logprobs), mask)
     _, g_scores, _ = algo.group_scores(seq_scores, torch.as_tensor(batch.group_index), torch.as_tensor(batch.versions))
-    warm = step < replay.warmup
+    warm = step < replay.effective_warmup
     chosen = algo.select_groups(g_scores, versions, quantile=replay.sg_quantile, tau_abs=replay.sg_tau_abs,
                                 batch_groups=batch_groups, fill=replay.sg_fill, warmup=warm)
     tau = None if warm else algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)

@@ -12,10 +12,11 @@ that only the learner can compute:
 
 `sample(t, batch_groups, select_fn, score_fn)` runs both phases for callers whose scores need
 no learner pass (baselines). Rules (ALGORITHM.md): a group of behavior version v leaves when
-t - v > K (replay on) or after `effective_max_reuse` trainings; for the first `warmup` steps
-only the freshest version in the pool is offered. With replay off (`enable=False`) every group
-is trained exactly once and never aged out, as the baselines do: the staleness gate bounds
-their age instead. `state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able
+t - v > K (replay on) or after `effective_max_reuse` trainings; with variance-guided selection
+(`sg`), for the first `warmup` steps only the freshest version in the pool is offered (never
+without it: baselines take the oldest groups from the first step). With replay off
+(`enable=False`) every group is trained exactly once and never aged out, as the baselines do:
+the staleness gate bounds their age instead. `state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able
 metadata plus numpy arrays, no pickle).
 What it is not: the selection rule (`algo.select_groups`), the scoring maths, or transport.
 """
@@ -177,7 +178,7 @@ class ReplayStore:
         # (version, group id), not arrival order: arrival depends on engine timing, and the same
         # data must give the same batch on a rerun
         groups.sort(key=lambda g: (g.version, g.group_id))
-        if step < self.cfg.warmup and groups:
+        if step < self.cfg.effective_warmup and groups:
             newest = max(g.version for g in groups)
             groups = [g for g in groups if g.version == newest]
         return groups

@@ -115,6 +115,20 @@ def test_warmup_offers_only_the_freshest_version():
     assert sorted(store.candidates(2).versions.tolist()) == [0, 0, 1, 1]
 
 
+def test_warmup_is_part_of_selection_only():
+    """Baselines (replay and selection off) and the no-selection ablation take the oldest groups
+    from the first step: a warmup would train only the newest version and the skipped groups
+    late, staler than eta allows."""
+    for cfg in (_cfg(enable=False, sg=False, warmup=5), _cfg(k=4, sg=False, warmup=5)):
+        assert cfg.effective_warmup == 0
+        store = ReplayStore(cfg, group_size=G)
+        for g, v in enumerate([0, 1, 1, 0]):
+            _add_group(store, g, v)
+        assert store.candidates(1).versions.tolist() == [0, 0, 1, 1]
+        assert [g.group_id for g in store.sample(1, 2, select_fifo)] == [0, 3]
+    assert _cfg(k=4, warmup=5).effective_warmup == 5
+
+
 def test_selection_hook_receives_scores_versions_and_decides_the_batch():
     store = ReplayStore(_cfg(k=4), group_size=G)
     for g, v in enumerate([2, 0, 1, 2]):
