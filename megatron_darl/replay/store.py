@@ -78,8 +78,6 @@ class ReplayStore:
         self._pending: dict[int, list[Trajectory]] = {}  # groups still missing responses
         self._step = 0  # latest step seen (candidates/commit/add)
         self._counters = Counter()  # cumulative: added, evicted_age, evicted_reuse, dropped_incomplete
-        self._last_cand_ages: Counter = Counter()  # metrics of the latest step only
-        self._last_batch_ages: Counter = Counter()
 
     # ---------------------------------------------------------------- intake
     def add(self, traj: Trajectory, step: int | None = None) -> ReplayGroup | None:
@@ -106,9 +104,7 @@ class ReplayStore:
         """Evict what aged out at `step`, then the groups this step may train on."""
         self._step = max(self._step, step)
         self._evict_age(step)
-        groups = self._eligible(step)
-        self._last_cand_ages = Counter(step - g.version for g in groups)
-        return Candidates(step, groups)
+        return Candidates(step, self._eligible(step))
 
     def commit(self, step: int, group_ids: Iterable[int]) -> list[ReplayGroup]:
         """Mark the chosen groups trained at `step` (in the given order); returns them."""
@@ -126,7 +122,6 @@ class ReplayStore:
             if g.reuse >= limit:
                 del self._pool[g.group_id]
                 self._counters["evicted_reuse"] += 1
-        self._last_batch_ages = Counter(step - g.version for g in batch)
         return batch
 
     def sample(
@@ -196,7 +191,10 @@ class ReplayStore:
         return len(self._pending)
 
     def metrics(self) -> dict[str, float | np.ndarray]:
-        """Scalars and histograms (numpy arrays) under `replay/`; filtered_frac is per age d = t - v."""
+        """Scalars and histograms (numpy arrays) under `replay/`: the pool (its staleness
+        histogram has one bin per age d = t - v, the last for d > K) and cumulative counters.
+        What a step selected is the selection's to report (`algo/select/filtered_frac/v{k}`,
+        by behavior version k, and the batch's `algo/staleness/batch/*`)."""
         t, k = self._step, self.cfg.k
         ages = [min(max(t - g.version, 0), k + 1) for g in self._pool.values()]  # bin k+1: older than K
         reuse_bins = max(self.cfg.effective_max_reuse, 1)
@@ -211,11 +209,6 @@ class ReplayStore:
         }
         for name in ("added", "evicted_age", "evicted_reuse", "dropped_incomplete"):
             out[f"replay/{name}"] = float(self._counters[name])
-        n_batch = sum(self._last_batch_ages.values())
-        if n_batch:
-            out["replay/batch_staleness_mean"] = sum(a * c for a, c in self._last_batch_ages.items()) / n_batch
-        for age, n in sorted(self._last_cand_ages.items()):
-            out[f"replay/filtered_frac/v{age}"] = 1.0 - self._last_batch_ages.get(age, 0) / n
         return out
 
     # ---------------------------------------------------------------- checkpoint
@@ -259,7 +252,6 @@ class ReplayStore:
         self._pending = {int(gid): [next(trajs) for _ in range(n)] for gid, n in meta["pending"]}
         self._step = int(meta["step"])
         self._counters = Counter({k: int(v) for k, v in meta["counters"].items()})
-        self._last_cand_ages, self._last_batch_ages = Counter(), Counter()
 
     def save(self, path: str) -> None:
         """Write `state_dict()` to one .npz file (meta as UTF-8 JSON bytes)."""
