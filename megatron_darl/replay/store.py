@@ -5,7 +5,7 @@ What it is: the learner-side pool that D-ARL samples from. Trajectories arrive o
 are in. Each training step is two phases, because a group's score needs proximal log-probs
 that only the learner can compute:
 
-    cands = store.candidates(t)              # evicts by age, applies warmup; no other change
+    cands = store.candidates(t, ...)         # evicts by age, applies warmup; offers a subset
     scores = learner_scores(cands.groups)    # recompute log pi_prox, score s_g per group
     idx = select_fn(scores, cands.versions, batch_groups)
     batch = store.commit(t, cands.group_ids[idx])   # reuse += 1, drop groups at max_reuse
@@ -16,8 +16,12 @@ t - v > K (replay on) or after `effective_max_reuse` trainings; with variance-gu
 (`sg`), for the first `warmup` steps only the freshest version in the pool is offered (never
 without it: baselines take the oldest groups from the first step). With replay off
 (`enable=False`) every group is trained exactly once and never aged out, as the baselines do:
-the staleness gate bounds their age instead. `state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able
-metadata plus numpy arrays, no pickle).
+the staleness gate bounds their age instead. Which groups of the window a step is offered
+(the oldest never-trained ones it takes, older reused ones) is the feed's decision
+(`replay/feed.py`). Counters: `consumed` (groups trained for the first time, aged out
+untrained or dropped incomplete: what the staleness gate credits) and `replay/trained_frac`.
+`state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able metadata plus numpy
+arrays, no pickle).
 What it is not: the selection rule (`algo.select_groups`), the scoring maths, or transport.
 """
 
@@ -77,7 +81,10 @@ class ReplayStore:
         self._pool: dict[int, ReplayGroup] = {}  # insertion order = arrival order
         self._pending: dict[int, list[Trajectory]] = {}  # groups still missing responses
         self._step = 0  # latest step seen (candidates/commit/add)
-        self._counters = Counter()  # cumulative: added, evicted_age, evicted_reuse, dropped_incomplete
+        # cumulative: added, trained (first time), evicted_age (of which evicted_untrained),
+        # evicted_reuse, dropped_incomplete
+        self._counters = Counter()
+        self._last_candidates = (0, 0)  # (groups offered, of them never trained) at the latest step
 
     # ---------------------------------------------------------------- intake
     def add(self, traj: Trajectory, step: int | None = None) -> ReplayGroup | None:
@@ -100,11 +107,29 @@ class ReplayStore:
         return sum(self.add(t, step) is not None for t in trajs)
 
     # ---------------------------------------------------------------- sampling
-    def candidates(self, step: int) -> Candidates:
-        """Evict what aged out at `step`, then the groups this step may train on."""
+    def candidates(self, step: int, new_limit: int | None = None, reused_before: int | None = None,
+                   reused_limit: int | None = None) -> Candidates:
+        """Evict what aged out at `step`, then the groups this step may train on, in pool order
+        (oldest version first, then group id). Without arguments: the whole window. With
+        `new_limit`, only the `new_limit` OLDEST never-trained groups: groups generated for a
+        later step are not offered yet (scored against a policy that barely moved they would
+        beat older never-trained groups, which would then age out untrained; and the learner
+        would recompute log-probs for groups it does not train). With `reused_before`, only
+        reused groups of versions below it: older than the new data, so a reused group never
+        crowds out a never-trained one (selection ranks it after newer groups of similar drift).
+        With `reused_limit`, at most that many reused groups, the freshest (most likely to pass
+        selection's threshold) first: the learner recomputes log-probs for every candidate."""
         self._step = max(self._step, step)
         self._evict_age(step)
-        return Candidates(step, self._eligible(step))
+        groups = self._eligible(step)
+        fresh = [g for g in groups if g.reuse == 0]
+        reused = [g for g in groups if g.reuse > 0 and (reused_before is None or g.version < reused_before)]
+        reused.sort(key=lambda g: (-g.version, g.reuse, g.group_id))
+        keep = {id(g) for g in (fresh if new_limit is None else fresh[:new_limit])}
+        keep |= {id(g) for g in (reused if reused_limit is None else reused[:reused_limit])}
+        groups = [g for g in groups if id(g) in keep]
+        self._last_candidates = (len(groups), sum(g.reuse == 0 for g in groups))
+        return Candidates(step, groups)
 
     def commit(self, step: int, group_ids: Iterable[int]) -> list[ReplayGroup]:
         """Mark the chosen groups trained at `step` (in the given order); returns them."""
@@ -118,6 +143,7 @@ class ReplayStore:
         batch = [self._pool[g] for g in ids]
         limit = self.cfg.effective_max_reuse
         for g in batch:
+            self._counters["trained"] += g.reuse == 0
             g.reuse += 1
             if g.reuse >= limit:
                 del self._pool[g.group_id]
@@ -151,12 +177,17 @@ class ReplayStore:
         groups = self._eligible(step)
         return len(groups) >= batch_groups and sum(g.reuse == 0 for g in groups) >= min_new
 
+    def reused_eligible(self, step: int, before: int | None = None) -> int:
+        """Groups trained before that `step` may train again (in the window, under max_reuse),
+        of versions below `before` when given."""
+        return sum(g.reuse > 0 and (before is None or g.version < before) for g in self._eligible(step))
+
     def _aged_out(self, g: ReplayGroup, step: int) -> bool:
         return self.cfg.enable and step - g.version > self.cfg.k
 
     def _evict_age(self, step: int) -> None:
         for gid in [gid for gid, g in self._pool.items() if self._aged_out(g, step)]:
-            del self._pool[gid]
+            self._counters["evicted_untrained"] += self._pool.pop(gid).reuse == 0
             self._counters["evicted_age"] += 1
         # an incomplete group this old would be evicted as soon as it completed; it may also have
         # lost a response (a producer died mid-write) and never complete. With replay off nothing
@@ -190,6 +221,19 @@ class ReplayStore:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def last_reused_offered(self) -> int:
+        """Reused groups among the latest step's candidates."""
+        return self._last_candidates[0] - self._last_candidates[1]
+
+    @property
+    def consumed(self) -> int:
+        """Complete groups that left the never-trained state: trained once, aged out untrained,
+        or dropped incomplete. What the staleness gate credits generation with (the learner
+        reports it in the weight notice), so generation replaces exactly what was used up."""
+        c = self._counters
+        return int(c["trained"] + c["evicted_untrained"] + c["dropped_incomplete"])
+
     def metrics(self) -> dict[str, float | np.ndarray]:
         """Scalars and histograms (numpy arrays) under `replay/`: the pool (its staleness
         histogram has one bin per age d = t - v, the last for d > K) and cumulative counters.
@@ -207,8 +251,12 @@ class ReplayStore:
                 np.array([g.reuse for g in self._pool.values()], dtype=np.int64), minlength=reuse_bins
             ),
         }
-        for name in ("added", "evicted_age", "evicted_reuse", "dropped_incomplete"):
+        for name in ("added", "trained", "evicted_age", "evicted_untrained", "evicted_reuse", "dropped_incomplete"):
             out[f"replay/{name}"] = float(self._counters[name])
+        out["replay/consumed"] = float(self.consumed)
+        # of the groups whose fate is decided, the share trained at least once (1 before any)
+        out["replay/trained_frac"] = self._counters["trained"] / self.consumed if self.consumed else 1.0
+        out["replay/candidates"], out["replay/candidates_new"] = (float(n) for n in self._last_candidates)
         return out
 
     # ---------------------------------------------------------------- checkpoint
