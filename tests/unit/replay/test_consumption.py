@@ -197,3 +197,32 @@ def test_generation_is_not_spent_on_groups_that_age_out_untrained():
     old_frac, old_rate = _simulate(new_protocol=False, mismatch=0.01, drift=0.001)
     new_frac, new_rate = _simulate(new_protocol=True, mismatch=0.01, drift=0.001)
     assert old_frac < 0.9 and new_frac >= 0.95 and new_rate < 7.5
+
+
+def test_k1_replay_ages_out_a_straggler_that_decoupled_trains():
+    """K = 1, selection off, and decoupled PPO (replay off) take the same groups in the same
+    order, except a straggler older than the window when it arrives: K = 1 ages it out and the
+    gate is credited for it (generation replaces it); decoupled PPO, without a window, trains it."""
+    from megatron_darl.batching import choose_groups
+
+    batch, straggler = 3, 99
+    orders, stores = {}, {}
+    for name, cfg in (("darl_k1", ReplayConfig(k=1, sg=False, pmis=False, warmup=5)),
+                      ("decoupled", ReplayConfig(enable=False, sg=False, pmis=False, warmup=5))):
+        ring, store = FakeRing(), ReplayStore(cfg, group_size=G)
+        feed, order = ReplayFeed(ring, store, batch, max_head_offpolicyness=1), []
+        for step in range(6):
+            for j in range(batch + (step == 5)):  # one more at the end, so both can fill step 5
+                ring.put_group(10 * step + j, step)
+            if step == 2:
+                ring.put_group(straggler, 0)  # begun at version 0, arrives at step 2: 2 - 0 > K
+            cands = feed.wait_candidates(step, alive=lambda: None, timeout_s=5)
+            chosen, metrics = choose_groups(None, cands, batch, cfg, step)
+            order += cands.group_ids[chosen].tolist()
+            feed.commit(step, cands.group_ids[chosen], metrics["algo/select/reused_admitted"])
+        orders[name], stores[name] = order, store
+    assert straggler in orders["decoupled"] and straggler not in orders["darl_k1"]
+    assert [g for g in orders["decoupled"] if g != straggler] == orders["darl_k1"][:-1]
+    m_k1, m_dec = stores["darl_k1"].metrics(), stores["decoupled"].metrics()
+    assert (m_k1["replay/evicted_untrained"], m_dec["replay/evicted_untrained"]) == (1.0, 0.0)
+    assert stores["darl_k1"].consumed == 6 * batch + 1 and stores["decoupled"].consumed == 6 * batch
