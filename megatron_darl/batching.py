@@ -73,7 +73,8 @@ def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int
     else:  # the rule of algo.select_groups: tau, and for stale groups also tau_abs
         tau = algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)
         stale_tau = tau if replay.sg_tau_abs is None else min(tau, replay.sg_tau_abs)
-        admitted = g_scores <= torch.where(fresh, torch.tensor(tau), torch.tensor(stale_tau)).to(g_scores.dtype)
+        limit = torch.full_like(g_scores, stale_tau).masked_fill(fresh, tau)
+        admitted = g_scores <= limit
     metrics = algo.selection_metrics(versions, chosen, tau)
     metrics["algo/select/score_mean"] = float(g_scores.mean()) if len(g_scores) else 0.0
     metrics["algo/select/reused_admitted"] = float((admitted & reused).sum())

@@ -12,8 +12,9 @@ generation is not spent on groups that age out untrained:
   as many as the batch has room for plus a quarter batch for selection to reject, freshest
   first (every candidate costs a forward pass to score);
 - after each step the feed plans the next one's share of new groups, `new_groups` =
-  `batch_groups` minus the reused groups selection admitted (at least batch_groups / max_reuse:
-  a group is trained at most max_reuse times; more when too few reused groups can be offered);
+  `batch_groups` minus the reused groups expected to pass selection (the share admitted this
+  step, applied to those the next step can be offered), at least batch_groups / max_reuse (a
+  group is trained at most max_reuse times), more when too few reused groups can be offered;
 - the learner reports that share and `ReplayStore.consumed` (groups trained once or aged out
   untrained) to the staleness gate in the weight notice: generation replaces what was used up
   and runs eta of the learner's steps ahead. Baselines (no reuse) take `batch_groups` new
@@ -65,7 +66,7 @@ class ReplayFeed:
 
     def wait_candidates(self, step: int, alive: Callable[[], None], timeout_s: float | None = None) -> Candidates:
         """Block until the store holds the never-trained groups `step` takes; return the
-        candidates: the oldest of those and every reused group of the window."""
+        candidates: the oldest of those and the reused groups it may be offered (module docstring)."""
         t0 = time.monotonic()
         self.drain(step)
         need = self.step_new_groups(step)
@@ -83,10 +84,11 @@ class ReplayFeed:
         return self.store.candidates(step, new_limit=need, reused_before=step - self.eta, reused_limit=room)
 
     def commit(self, step: int, group_ids, reused_admitted: int) -> int:
-        """Mark the chosen groups trained at `step`, plan the next step from the reused groups
-        selection admitted (`batch_groups - reused_admitted`, at least batch_groups / max_reuse:
-        a group is trained at most max_reuse times) and return the never-trained groups the next
-        step takes, the staleness gate's unit."""
+        """Mark the chosen groups trained at `step` and plan the next step: of the reused groups
+        it can be offered, the share selection admitted now (`reused_admitted` of those offered;
+        all when none were) is expected to pass, and new groups fill the rest of the batch (at
+        least batch_groups / max_reuse: a group is trained at most max_reuse times). Returns the
+        never-trained groups the next step takes: the staleness gate's batch."""
         offered = self.store.last_reused_offered
         self.store.commit(step, group_ids)
         rate = reused_admitted / offered if offered else 1.0  # admitted share of the offered reused groups
