@@ -74,8 +74,8 @@ def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, li
         "versions": torch.as_tensor(batch.versions[rows], dtype=torch.long, device=device),
     }
     if batch.token_versions is not None:  # each token's own version (-1 off the response: the row's)
-        mb["token_versions"] = torch.where(t(batch.token_versions, torch.long) >= 0, t(batch.token_versions, torch.long),
-                                           mb["versions"].unsqueeze(-1))
+        tv = t(batch.token_versions, torch.long)
+        mb["token_versions"] = torch.where(tv >= 0, tv, mb["versions"].unsqueeze(-1))
     if batch.prox_logprobs is not None:
         mb["prox_logprobs"] = t(batch.prox_logprobs, torch.float32)
     if batch.behav_logprobs_by_version:

@@ -289,7 +289,8 @@ def weight_diagnostics(a: AlgorithmConfig, batch: TrainBatch, whole: dict) -> di
     elif a.policy_loss == "darl":
         by_version = None
         if whole["pmis"] == "balance":
-            given = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in (batch.behav_logprobs_by_version or {}).items()}
+            given = {k: torch.as_tensor(v, dtype=torch.float32)
+                     for k, v in (batch.behav_logprobs_by_version or {}).items()}
             by_version, _ = balance_logp(whole, given, prox, behav,
                                          _token_versions(batch, np.arange(batch.batch_size), versions))
         rho, out = algo.pmis_behavior_weights(prox, behav, mask, versions, **_is_kwargs(a), pmis=whole["pmis"],

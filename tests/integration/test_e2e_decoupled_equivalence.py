@@ -205,8 +205,9 @@ def _schedule(vocab: int, steps: int, batch: int, group: int, seed: int = 5) -> 
         for _ in range(batch):
             for m in range(group):
                 n = int(rng.integers(3, 7))
+                version = max(0, step - gid % 2)
                 out[step].append(Trajectory(rng.integers(4, vocab, 4), rng.integers(4, vocab, n),
-                                            -2.0 - 0.4 * rng.random(n), np.full(n, max(0, step - gid % 2)), float(m % 2),
+                                            -2.0 - 0.4 * rng.random(n), np.full(n, version), float(m % 2),
                                             1000 + gid, 1000 + gid))
             gid += 1
     return out

@@ -59,7 +59,8 @@ def test_areal_cap_five_logs_the_capped_weights_it_used():
 
 def test_balance_logs_the_ess_of_the_balance_weights():
     batch = _batch()
-    a = AlgorithmConfig(policy_loss="darl", rollout_is="token", rollout_is_threshold=1e6, rollout_is_veto_threshold=None)
+    a = AlgorithmConfig(policy_loss="darl", rollout_is="token", rollout_is_threshold=1e6,
+                        rollout_is_veto_threshold=None)
     out = _stats(a, batch, "balance", prox_version=5)
     # naive reference: the mixture of the two versions' (interpolated) log mu_k, alpha_k = N_k / N
     m = batch.loss_mask > 0
