@@ -288,7 +288,7 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
     """
     row_sum = objective.sum(-1)
     row_tokens = mask.sum(-1).to(objective.dtype)
-    loss = objective.sum() * 0.0  # keeps the graph when the batch is empty
+    coef = torch.zeros_like(row_sum)  # beta_k / N_k of each row's version: one rounding, one sum
     metrics = {}
     for k in [int(k) for k in torch.unique(versions).tolist()]:
         rows = versions == k
@@ -296,9 +296,9 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
             n_k = row_tokens[rows].sum().clamp(min=1.0)
         else:
             n_k = max(float(lookup_version(version_token_counts, k, "version_token_counts")), 1.0)
-        l_k = row_sum[rows].sum() / n_k
-        loss = loss - float(lookup_version(beta, k, "beta")) * l_k
-        metrics[f"algo/objective/v{k}"] = l_k.detach()
+        coef = torch.where(rows, float(lookup_version(beta, k, "beta")) / n_k, coef)
+        metrics[f"algo/objective/v{k}"] = (row_sum[rows].sum() / n_k).detach()
+    loss = -(coef.detach() * row_sum).sum()  # an empty batch keeps the graph (a zero loss)
     return loss, metrics
 
 
