@@ -1,15 +1,18 @@
 """From replay candidates to the batch a step trains on: advantages, D-ARL selection, subsets.
 
 What it is: the glue between the replay store (groups of trajectories) and the learner
-(a padded `TrainBatch`). `candidate_batch` pads every candidate group into one batch with its
+(a padded `TrainBatch`). `candidate_batch` pads candidate groups into one batch with their
 group-relative advantages (GRPO / Dr.GRPO / RLOO: a group's advantages do not depend on which
 other groups are chosen); `choose_groups` applies the variance-guided selection of ALGORITHM.md
 to proximal log-probs the learner recomputed (or FIFO for the baselines); `take_groups` cuts the
-chosen groups out of the batch.
+chosen groups out of the batch; `prepare_batch` runs these with the learner's recompute for one
+step: selection recomputes every candidate (it scores them), FIFO only the groups it trains.
 What it is not: the maths (`algo/`), the pool and its ageing (`replay/store.py`), or the learner.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -39,28 +42,42 @@ def candidate_batch(cands: Candidates, cfg: AlgorithmConfig) -> TrainBatch:
     return batch
 
 
-def choose_groups(batch: TrainBatch, cands: Candidates, batch_groups: int, replay: ReplayConfig,
+def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int, replay: ReplayConfig,
                   step: int) -> tuple[np.ndarray, dict[str, float]]:
     """Candidate positions to train on this step, and selection metrics.
 
     With `replay.sg` (after warmup, which the store enforces by offering only the freshest
     version) groups are scored by the second moment of the log weight `mean_t (p - b)^2`
     against proximal log-probs and gated by `algo.select_groups`; otherwise the oldest
-    candidates go first (FIFO), as the baselines consume their data.
+    candidates go first (FIFO), as the baselines consume their data; FIFO reads no batch (None).
+    `algo/select/reused_admitted`: the reused candidates selection admits (score within the
+    threshold; in warmup, of the freshest version; FIFO: every one), from which the feed plans
+    how many new groups the next step takes.
     """
     versions = torch.as_tensor(cands.versions)
-    if not replay.sg or batch.prox_logprobs is None:
+    reused = torch.as_tensor(cands.reuse) > 0
+    if not replay.sg or batch is None or batch.prox_logprobs is None:
         chosen = torch.arange(min(batch_groups, len(cands)))
-        return chosen.numpy(), algo.selection_metrics(versions, chosen)
+        metrics = algo.selection_metrics(versions, chosen)
+        metrics["algo/select/reused_admitted"] = float(reused.sum())
+        return chosen.numpy(), metrics
     mask = torch.as_tensor(batch.loss_mask)
     seq_scores = algo.variance_scores(torch.as_tensor(batch.prox_logprobs), torch.as_tensor(batch.behav_logprobs), mask)
     _, g_scores, _ = algo.group_scores(seq_scores, torch.as_tensor(batch.group_index), torch.as_tensor(batch.versions))
-    warm = step < replay.warmup
+    warm = step < replay.effective_warmup
     chosen = algo.select_groups(g_scores, versions, quantile=replay.sg_quantile, tau_abs=replay.sg_tau_abs,
                                 batch_groups=batch_groups, fill=replay.sg_fill, warmup=warm)
-    tau = None if warm else algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)
+    fresh = versions == versions.max()
+    if warm:
+        tau, admitted = None, fresh
+    else:  # the rule of algo.select_groups: tau, and for stale groups also tau_abs
+        tau = algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)
+        stale_tau = tau if replay.sg_tau_abs is None else min(tau, replay.sg_tau_abs)
+        limit = torch.full_like(g_scores, stale_tau).masked_fill(fresh, tau)
+        admitted = g_scores <= limit
     metrics = algo.selection_metrics(versions, chosen, tau)
     metrics["algo/select/score_mean"] = float(g_scores.mean()) if len(g_scores) else 0.0
+    metrics["algo/select/reused_admitted"] = float((admitted & reused).sum())
     return chosen.numpy(), metrics
 
 
@@ -80,3 +97,44 @@ def take_groups(batch: TrainBatch, positions: np.ndarray) -> TrainBatch:
         behav_logprobs_by_version=None if batch.behav_logprobs_by_version is None else
         {k: pick(v) for k, v in batch.behav_logprobs_by_version.items()},
     )
+
+
+def prepare_batch(cfg, learner, cands: Candidates | None, step: int) -> tuple[TrainBatch, np.ndarray | None, dict]:
+    """One step's batch, collectively (every learner rank calls it; `cands` on the main rank,
+    None elsewhere): `(batch, chosen, metrics)`. `batch` (every rank) is what the step trains on,
+    with proximal log-probs where the loss or selection reads them and, for `pmis_beta=balance`,
+    `log mu_k` of the kept versions; `chosen` (main rank) the candidate positions trained;
+    `metrics` (main rank) selection's plus `perf/recompute_s` and `perf/select_s`.
+
+    Selection (`replay.sg`) scores every candidate, so it recomputes all of them and keeps the
+    chosen rows; FIFO (baselines, the no-selection ablation) chooses first and recomputes only
+    the groups it trains."""
+    main = learner.is_main
+    spent = {"perf/recompute_s": 0.0, "perf/select_s": 0.0}
+
+    def timed(key, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        spent[key] += time.perf_counter() - t
+        return out
+
+    def choose(batch):
+        return choose_groups(batch, cands, cfg.train.batch_prompts, cfg.replay, step) if main else (None, {})
+
+    if cfg.replay.sg:
+        batch = learner.broadcast_batch(candidate_batch(cands, cfg.algo) if main else None)
+        batch.prox_logprobs = timed("perf/recompute_s", learner.compute_logprobs, batch)
+        chosen, metrics = timed("perf/select_s", choose, batch)
+        train = learner.broadcast_batch(take_groups(batch, chosen) if main else None)
+    else:
+        chosen, metrics = timed("perf/select_s", choose, None)
+        kept = Candidates(step, [cands.groups[i] for i in chosen]) if main else None
+        train = learner.broadcast_batch(candidate_batch(kept, cfg.algo) if main else None)
+        if cfg.algo.uses_proximal:
+            train.prox_logprobs = timed("perf/recompute_s", learner.compute_logprobs, train)
+    if learner.pmis == "balance":  # log mu_k of every version with kept weights (the current one is p)
+        versions = set(train.token_versions[train.loss_mask > 0].tolist()) | set(train.versions.tolist())
+        train.behav_logprobs_by_version = timed("perf/recompute_s", learner.compute_version_logprobs, train,
+                                                sorted(versions - {step}))
+    metrics.update(spent)
+    return train, chosen, metrics

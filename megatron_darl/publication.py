@@ -70,9 +70,10 @@ class Publisher:
     def folder(self, version: int) -> str:
         return os.path.join(self.root, f"v{version}")
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, consumed: int | None = None, new_groups: int | None = None) -> None:
         """Export version `version` and announce it; `NonFiniteWeights` (nothing announced, the
-        folder removed) when any exported tensor holds NaN or Inf."""
+        folder removed) when any exported tensor holds NaN or Inf. `consumed`, `new_groups` (main
+        rank): what the learner used up and what its next step takes, for the staleness gate."""
         t0 = time.perf_counter()
         out = self.folder(version)
         self.learner.export_hf(out)  # collective: every rank takes part, the main rank writes
@@ -82,14 +83,16 @@ class Publisher:
                 shutil.rmtree(out, ignore_errors=True)
                 raise NonFiniteWeights(version, bad)
             size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-            self.notify(WeightVersion(version=version, kind=self.kind, location=out, num_bytes=size))
+            self.notify(WeightVersion(version=version, kind=self.kind, location=out, num_bytes=size),
+                        consumed=consumed, new_groups=new_groups)
             self._collect_garbage(version)
         self.last_publish_s = time.perf_counter() - t0
 
     def notify(self, weights: WeightVersion | None = None, **changes: Any) -> None:
         """Rewrite the notice with new weights and/or other fields (stop, state_request)."""
         old = read_notice(self.notice_path) or WeightNotice()
-        fields = {"weights": weights or old.weights, "stop": old.stop, "state_request": old.state_request}
+        fields = {"weights": weights or old.weights, "stop": old.stop, "state_request": old.state_request,
+                  "consumed": old.consumed, "new_groups": old.new_groups}
         fields.update(changes)
         publish_notice(self.notice_path, WeightNotice(**fields))
 

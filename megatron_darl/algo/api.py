@@ -22,6 +22,7 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | rollout_is_weights(prox, behav, mask, level, mode, threshold, threshold_lower, veto_threshold) | [B,T], metrics | verl rollout IS |
 | ppo_loss(logp, old, adv, mask, clip_low, clip_high, token_weights, ratio_level, loss_denominator) | loss, metrics | clipped PPO |
 | decoupled_ppo_loss(logp, prox, behav, adv, mask, ..., behav_weight_cap, behav_clip) | loss, metrics | AReaL objective |
+| decoupled_weights(prox, behav, mask, behav_weight_cap) | [B,T], metrics | AReaL's capped exp(p - b) |
 | sg_policy_loss(logp, behav, adv, mask, threshold, loss_denominator) | loss, metrics | stop-grad REINFORCE |
 | weighted_surrogate(...), clipped_objective(...), sg_objective(...) | [B,T] | per-token building blocks |
 | variance_scores(prox, behav, mask) | [B] | mean_t l^2 |
@@ -35,9 +36,10 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | balance_weights(prox, behav, behav_by_version, versions, mask, ...) | [B,T], metrics | Veach balance |
 | interpolate_version_logp(prox, behav, versions, prox_version, targets) | dict | log-linear approx. |
 | pmis_batch_constants(prox, behav, mask, versions, ...) | beta, counts, metrics | once per batch |
+| pmis_behavior_weights(prox, behav, mask, versions, ...) | [B,T], metrics | rho of darl_policy_loss |
 | combine_versions(objective, mask, versions, beta, counts) | loss, metrics | -sum beta_k L_k |
 | darl_policy_loss(logp, prox, behav, adv, mask, versions, ...) | loss, metrics | D-ARL policy loss |
-| version_token_counts(versions, mask) | dict | N_k |
+| version_token_counts(versions, mask) | dict | N_k (versions [B] per sequence, [B,T] per token) |
 | effective_sample_size(weights, mask) | 0-dim | (sum w)^2 / sum w^2 |
 | diagnostics(prox, behav, mask, versions, ...) | dict | ESS, rho stats, KL, staleness |
 | kl_estimates, staleness_histogram, masked_quantile | dict / 0-dim | diagnostics parts |
@@ -49,6 +51,7 @@ from .importance import rollout_is_weights
 from .losses import (
     clipped_objective,
     decoupled_ppo_loss,
+    decoupled_weights,
     ppo_loss,
     sg_objective,
     sg_policy_loss,
@@ -59,8 +62,10 @@ from .pmis import (
     combine_versions,
     darl_policy_loss,
     effective_sample_size,
+    ess_level,
     interpolate_version_logp,
     pmis_batch_constants,
+    pmis_behavior_weights,
     pmis_beta_from_statistics,
     pmis_coefficients,
     pmis_statistics,
@@ -75,14 +80,17 @@ __all__ = [
     "combine_versions",
     "darl_policy_loss",
     "decoupled_ppo_loss",
+    "decoupled_weights",
     "diagnostics",
     "effective_sample_size",
+    "ess_level",
     "grpo_advantages",
     "group_scores",
     "interpolate_version_logp",
     "kl_estimates",
     "masked_quantile",
     "pmis_batch_constants",
+    "pmis_behavior_weights",
     "pmis_beta_from_statistics",
     "pmis_coefficients",
     "pmis_statistics",

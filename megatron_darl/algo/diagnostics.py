@@ -64,23 +64,26 @@ def diagnostics(
     """All drift diagnostics of one batch.
 
     ESS fraction `(sum rho)^2 / (n sum rho^2)` global and per version (`algo/ess_frac`,
-    `algo/ess_frac/v{k}`); rho mean/max/p99 (`algo/is/mean|max|p99`); fractions truncated,
-    masked and vetoed (`algo/is/frac_*`, from `rollout_is_weights` with the given options,
-    which also give rho unless `weights` is passed); KL k1/k2/k3 global and per version
-    (`algo/kl_k3/v{k}`, ...); token share per version; the batch staleness histogram when
-    `current_version` is given (the pool's: call `staleness_histogram` with the pool's versions).
+    `algo/ess_frac/v{k}`); rho mean/max/p99 (`algo/is/mean|max|p99`); KL k1/k2/k3 global and
+    per version (`algo/kl_k3/v{k}`, ...); token share per version; the batch staleness
+    histogram when `current_version` is given (the pool's: call `staleness_histogram` with the
+    pool's versions). `rho`: `weights` when given -- pass the weights the loss actually used,
+    and the fractions truncated/masked/vetoed of the function that made them, so that no
+    statistic describes weights nobody used -- else `rollout_is_weights` with the given options
+    (`algo/is/frac_*` included).
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp, weights=weights)
     check_sequence_tensor("versions", versions, m.shape[0])
-    rho, out = rollout_is_weights(
-        prox_logp, behav_logp, m, level=level, mode=mode, threshold=threshold,
-        threshold_lower=threshold_lower, veto_threshold=veto_threshold,
-    )
-    out = dict(out)
-    if weights is not None:
+    if weights is None:
+        rho, out = rollout_is_weights(
+            prox_logp, behav_logp, m, level=level, mode=mode, threshold=threshold,
+            threshold_lower=threshold_lower, veto_threshold=veto_threshold,
+        )
+        out = dict(out)
+    else:
         rho = torch.where(m, weights.detach(), torch.zeros((), dtype=weights.dtype, device=weights.device))
         n = m.sum().to(rho.dtype).clamp(min=1.0)
-        out["algo/is/mean"], out["algo/is/max"] = masked_sum(rho, m) / n, masked_max(rho, m)
+        out = {"algo/is/mean": masked_sum(rho, m) / n, "algo/is/max": masked_max(rho, m)}
     out["algo/is/p99"] = masked_quantile(rho, m, 0.99)
     n_all = float(m.sum())
     out["algo/ess_frac"] = effective_sample_size(rho, m) / max(n_all, 1.0)

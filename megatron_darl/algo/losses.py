@@ -141,6 +141,26 @@ def ppo_loss(
     return -obj.sum() / den, metrics
 
 
+def decoupled_weights(prox_logp, behav_logp, mask, *, behav_weight_cap: float | None = None):
+    """AReaL's behavior weights `w = exp(p - b)` (detached, 0 off the mask) and metrics.
+
+    With `behav_weight_cap`, tokens with `w > cap` get weight 0 (`algo/is/frac_capped`: their
+    share of the masked tokens). The weights `decoupled_ppo_loss` multiplies its surrogate by.
+    """
+    m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
+    zero = torch.zeros((), dtype=prox_logp.dtype, device=prox_logp.device)
+    l_tok = torch.where(m, (prox_logp - behav_logp).detach(), zero)
+    w = torch.where(m, torch.exp(l_tok.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), zero)
+    metrics: dict[str, torch.Tensor] = {}
+    if behav_weight_cap is not None:
+        if not behav_weight_cap > 0:
+            raise ValueError(f"behav_weight_cap must be > 0, got {behav_weight_cap}")
+        capped = m & (l_tok > math.log(behav_weight_cap))
+        w = torch.where(capped, zero, w)
+        metrics["algo/is/frac_capped"] = masked_sum(capped.to(w.dtype), m) / m.sum().to(w.dtype).clamp(min=1.0)
+    return w, metrics
+
+
 def decoupled_ppo_loss(
     logp, prox_logp, behav_logp, advantages, mask, *, clip_low: float = 0.2,
     clip_high: float = 0.2, behav_weight_cap: float | None = None, ratio_level: str = "token",
@@ -149,23 +169,16 @@ def decoupled_ppo_loss(
 ):
     """AReaL decoupled PPO: `(1/N) sum_ij m_ij max(-A r, -A clip(r)) * w`.
 
-    `r = exp(q - p)`, `w = exp(p - b)` (detached). With `behav_weight_cap`, tokens with
-    `w > cap` contribute 0 to the numerator while `N` stays the count of the original mask
-    (so rejecting tokens does not up-weight the kept ones). `behav_clip` as in
-    `weighted_surrogate`. With `prox_logp == behav_logp` this is plain PPO.
+    `r = exp(q - p)`, `w = exp(p - b)` (detached, `decoupled_weights`). With
+    `behav_weight_cap`, tokens with `w > cap` contribute 0 to the numerator while `N` stays the
+    count of the original mask (so rejecting tokens does not up-weight the kept ones).
+    `behav_clip` as in `weighted_surrogate`. With `prox_logp == behav_logp` this is plain PPO.
     """
     m = check_token_tensors(mask, logp=logp, prox_logp=prox_logp, behav_logp=behav_logp)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    l_tok = torch.where(m, (prox_logp - behav_logp).detach(), zero)
-    w = torch.exp(l_tok.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     den = resolve_denominator(m, loss_denominator, logp.dtype)
-    metrics: dict[str, torch.Tensor] = {}
-    if behav_weight_cap is not None:
-        if not behav_weight_cap > 0:
-            raise ValueError(f"behav_weight_cap must be > 0, got {behav_weight_cap}")
-        capped = m & (l_tok > math.log(behav_weight_cap))
-        w = torch.where(capped, zero, w)
-        metrics["algo/is/frac_capped"] = (masked_sum(capped.to(den.dtype), m) / den).detach()
+    w, metrics = decoupled_weights(prox_logp, behav_logp, m, behav_weight_cap=behav_weight_cap)
+    if "algo/is/frac_capped" in metrics:  # over the whole batch when `loss_denominator` is its count
+        metrics["algo/is/frac_capped"] = (metrics["algo/is/frac_capped"] * m.sum() / den).detach()
     obj, flags = weighted_surrogate(
         logp, prox_logp, behav_logp, advantages, m, w, clip_low=clip_low, clip_high=clip_high,
         ratio_level=ratio_level, behav_clip=behav_clip, behav_mask_threshold=behav_mask_threshold,

@@ -6,10 +6,21 @@ mean `L_k`, the weights `beta_k` (`ess`, `tokens`, `balance`) and their combinat
 approximation; the once-per-batch constants that let micro-batches add up exactly.
 What it is not: the surrogates themselves (`losses.py`) or rollout weights (`importance.py`).
 
+Versions: the objective splits SEQUENCES by version (`versions` `[B]`, each sequence's oldest
+token version, as the replay store ages it): a sequence is one sample with one advantage, so it
+belongs to one estimator `L_k`. Where the maths is per token -- the balance heuristic's mixture
+`sum_k alpha_k mu_k(y_ij)` and its interpolated `log mu_k` -- each token's own version counts
+(`TrainBatch.token_versions`): the later tokens of an interrupted rollout were sampled by a
+newer version, and their `b` is that version's log-prob.
+
 Micro-batches: `L_k` divides by `N_k`, the masked tokens of version k in the whole batch.
-Compute `beta, counts, metrics = pmis_batch_constants(...)` once on the (mini)batch, then
+Compute `beta, counts, metrics = pmis_batch_constants(...)` once on the batch, then
 pass `beta=beta, version_token_counts=counts` to every micro-batch call of
 `darl_policy_loss`: the micro-batch losses then sum to the batch loss, gradients included.
+Several optimizer updates per batch (minibatches): beta_k still comes from the whole batch;
+a minibatch holding a share `N_mb / N` of the batch's tokens passes `N_k * N_mb / N` as its
+counts, so its loss estimates the whole-batch objective on its own tokens (and with
+`beta = tokens` it is the minibatch's token mean, exactly the collapsed baseline's update).
 """
 
 from __future__ import annotations
@@ -137,21 +148,29 @@ def interpolate_version_logp(
 ) -> dict[int, torch.Tensor]:
     """APPROXIMATION of `log mu_k(y_ij)` for versions whose snapshots are not kept.
 
-    Log-linear in the version index between the sample's own behavior (`b`, version `v_i`)
-    and the proximal policy (`p`, version `prox_version`):
-    `log mu_k ~ b + (k - v_i) / (prox_version - v_i) * (p - b)` (extrapolated for k < v_i;
-    `b` for every k when `v_i == prox_version`). Exact only at `k = v_i` and `k = prox_version`.
+    Log-linear in the version index between the token's own behavior (`b`, version `v`) and
+    the proximal policy (`p`, version `prox_version`):
+    `log mu_k ~ b + (k - v) / (prox_version - v) * (p - b)` (extrapolated for k < v; `b` for
+    every k when `v == prox_version`). Exact only at `k = v` and `k = prox_version`. `versions`
+    is `[B]` (one version per sequence) or `[B, T]` (each token's own version, e.g.
+    `TrainBatch.token_versions`: right for the later tokens of an interrupted rollout, whose
+    `b` comes from a newer version than the sequence's first token; values off the mask are
+    ignored).
     """
     m = check_token_tensors(torch.ones_like(prox_logp, dtype=torch.bool), behav_logp=behav_logp)
-    check_sequence_tensor("versions", versions, m.shape[0])
+    if versions.dim() == 2:
+        check_token_tensors(m, versions=versions)
+    else:
+        check_sequence_tensor("versions", versions, m.shape[0])
     if bool((versions > prox_version).any()):
         raise ValueError(f"versions must be <= prox_version={prox_version}")
     p, b = prox_logp.detach(), behav_logp.detach()
-    gap = (prox_version - versions).to(p.dtype)
+    per_token = versions if versions.dim() == 2 else versions.unsqueeze(-1)
+    gap = (prox_version - per_token).to(p.dtype)
     out = {}
     for k in target_versions:
-        frac = torch.where(gap > 0, (k - versions).to(p.dtype) / gap.clamp(min=1.0), torch.zeros_like(gap))
-        out[int(k)] = b + frac.unsqueeze(-1) * (p - b)
+        frac = torch.where(gap > 0, (k - per_token).to(p.dtype) / gap.clamp(min=1.0), torch.zeros_like(gap))
+        out[int(k)] = b + frac * (p - b)
     return out
 
 
@@ -165,13 +184,18 @@ def balance_weights(
     """Veach balance-heuristic weights `rho_ij = pi_prox(y_ij) / sum_k alpha_k mu_k(y_ij)`.
 
     `alpha_k = N_k / N` over the versions of `version_token_counts` (the whole batch's counts;
-    this call's when None). `behav_logp_by_version[k]` is `log mu_k` of every token, `[B, T]`:
+    this call's when None, by `versions`: `[B]` counts every token of row i for `versions[i]`,
+    `[B, T]` (token versions) each token for its own). `behav_logp_by_version[k]` is `log mu_k`
+    of every token, `[B, T]`:
     exact when the K behavior snapshots are kept and score the batch, else from
     `interpolate_version_logp` (an approximation). Then `mode`/`threshold`/veto as in
     `rollout_is_weights` (the veto looks at each token's own `exp(p - b)`).
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
-    check_sequence_tensor("versions", versions, m.shape[0])
+    if versions.dim() == 2:
+        check_token_tensors(mask, versions=versions)
+    else:
+        check_sequence_tensor("versions", versions, m.shape[0])
     counts = version_token_counts if version_token_counts is not None else count_version_tokens(versions, m)
     total = sum(float(n) for n in counts.values())
     zero = torch.zeros((), dtype=prox_logp.dtype, device=prox_logp.device)
@@ -182,7 +206,7 @@ def balance_weights(
         lp = lookup_version(behav_logp_by_version, k, "behav_logp_by_version")
         check_token_tensors(mask, **{f"behav_logp_by_version[{k}]": lp})
         terms.append(math.log(float(n_k) / total) + lp.detach())
-    for k in torch.unique(versions).tolist():
+    for k in torch.unique(versions[m] if versions.dim() == 2 else versions).tolist():
         lookup_version(counts, int(k), "version_token_counts")
     p = prox_logp.detach()
     log_mix = torch.logsumexp(torch.stack(terms), 0) if terms else p
@@ -194,10 +218,17 @@ def balance_weights(
     )
 
 
-def _behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level, is_mode, is_threshold,
-                      is_threshold_lower, is_veto_threshold, pmis, behav_logp_by_version,
-                      version_token_counts):
-    """`rho` of the clipped surrogate: rollout IS weights, or balance-heuristic weights."""
+def pmis_behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level: str = "token",
+                          is_mode: str = "truncate", is_threshold: float = 2.0,
+                          is_threshold_lower: float | None = None, is_veto_threshold: float | None = 1e-4,
+                          pmis: str = "ess", behav_logp_by_version=None, version_token_counts=None,
+                          mixture_counts=None):
+    """`(rho, metrics)`: the behavior weights of D-ARL's clipped surrogate, `[B, T]` detached.
+
+    Rollout IS weights (`rollout_is_weights` with the `is_*` options), or for `pmis="balance"`
+    the balance-heuristic weights with `alpha_k` from `mixture_counts` (default
+    `version_token_counts`; see `balance_weights`).
+    """
     opts = dict(mode=is_mode, threshold=is_threshold, threshold_lower=is_threshold_lower,
                 veto_threshold=is_veto_threshold)
     if pmis != "balance":
@@ -209,8 +240,9 @@ def _behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level, is_mod
             "pmis='balance' needs behav_logp_by_version (log mu_k of every token for every "
             "version k); without kept snapshots use interpolate_version_logp (approximate)"
         )
+    counts = mixture_counts if mixture_counts is not None else version_token_counts
     return balance_weights(prox_logp, behav_logp, behav_logp_by_version, versions, mask,
-                           version_token_counts=version_token_counts, **opts)
+                           version_token_counts=counts, **opts)
 
 
 def ess_level(is_level: str) -> str:
@@ -225,20 +257,23 @@ def pmis_batch_constants(
     is_mode: str = "truncate", is_threshold: float = 2.0, is_threshold_lower: float | None = None,
     is_veto_threshold: float | None = 1e-4, pmis: str = "ess",
     behav_logp_by_version: Mapping[int, torch.Tensor] | None = None,
+    mixture_counts: Mapping[int, float] | None = None,
 ):
-    """`(beta, version_token_counts, metrics)` of a whole (mini)batch, for micro-batch calls.
+    """`(beta, version_token_counts, metrics)` of a whole batch, for micro-batch calls.
 
     Same weights as `darl_policy_loss(surrogate="clip")` with the same options; pass the first
-    two to each micro-batch call. Metrics: `algo/is/*`, `algo/beta/v{k}`, `algo/ess_frac*`.
+    two (and the same `mixture_counts`) to each micro-batch call. Metrics: `algo/is/*`,
+    `algo/beta/v{k}`, `algo/ess_frac*`.
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
     check_sequence_tensor("versions", versions, m.shape[0])
     counts = count_version_tokens(versions, m)
-    rho, metrics = _behavior_weights(
+    rho, metrics = pmis_behavior_weights(
         prox_logp, behav_logp, m, versions, is_level=is_level, is_mode=is_mode,
         is_threshold=is_threshold, is_threshold_lower=is_threshold_lower,
         is_veto_threshold=is_veto_threshold, pmis=pmis,
         behav_logp_by_version=behav_logp_by_version, version_token_counts=counts,
+        mixture_counts=mixture_counts,
     )
     beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(is_level))
     return beta, counts, {**metrics, **beta_metrics}
@@ -253,7 +288,7 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
     """
     row_sum = objective.sum(-1)
     row_tokens = mask.sum(-1).to(objective.dtype)
-    loss = objective.sum() * 0.0  # keeps the graph when the batch is empty
+    coef = torch.zeros_like(row_sum)  # beta_k / N_k of each row's version: one rounding, one sum
     metrics = {}
     for k in [int(k) for k in torch.unique(versions).tolist()]:
         rows = versions == k
@@ -261,9 +296,9 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
             n_k = row_tokens[rows].sum().clamp(min=1.0)
         else:
             n_k = max(float(lookup_version(version_token_counts, k, "version_token_counts")), 1.0)
-        l_k = row_sum[rows].sum() / n_k
-        loss = loss - float(lookup_version(beta, k, "beta")) * l_k
-        metrics[f"algo/objective/v{k}"] = l_k.detach()
+        coef = torch.where(rows, float(lookup_version(beta, k, "beta")) / n_k, coef)
+        metrics[f"algo/objective/v{k}"] = (row_sum[rows].sum() / n_k).detach()
+    loss = -(coef.detach() * row_sum).sum()  # an empty batch keeps the graph (a zero loss)
     return loss, metrics
 
 
@@ -284,13 +319,16 @@ def darl_policy_loss(
     beta: Mapping[int, float] | None = None,
     version_token_counts: Mapping[int, float] | None = None,
     behav_logp_by_version: Mapping[int, torch.Tensor] | None = None,
+    mixture_counts: Mapping[int, float] | None = None,
 ):
     """D-ARL loss `-sum_k beta_k L_k`, `L_k = (1/N_k) sum_{i in S_k} sum_j m_ij rho_ij
     min(r_ij A_i, clip(r_ij, 1-clip_low, 1+clip_high) A_i)`.
 
     `versions` `[B]`: behavior version of each sequence. `rho` = `rollout_is_weights(prox,
     behav, is_level, is_mode, is_threshold, ...)`, or the balance-heuristic weights for
-    `pmis="balance"` (needs `behav_logp_by_version`). `ratio_level="sequence"`: GSPO-style
+    `pmis="balance"` (needs `behav_logp_by_version`; `alpha_k` from `mixture_counts`, e.g.
+    `version_token_counts(token_versions, mask)` of the whole batch so that each token counts
+    for the version that generated it, default `version_token_counts`). `ratio_level="sequence"`: GSPO-style
     ratios. `behav_clip` (None / "ratio" / "mask"): the behavior-side trust region of
     `weighted_surrogate`. `surrogate="sg"`: `sg(min(exp(q-b), C)) q A` instead (no proximal
     policy; `prox_logp` may be None). Micro-batches: pass `beta` and `version_token_counts`
@@ -308,11 +346,12 @@ def darl_policy_loss(
     else:
         if prox_logp is None:
             raise ValueError("surrogate='clip' needs prox_logp")
-        rho, is_metrics = _behavior_weights(
+        rho, is_metrics = pmis_behavior_weights(
             prox_logp, behav_logp, m, versions, is_level=is_level, is_mode=is_mode,
             is_threshold=is_threshold, is_threshold_lower=is_threshold_lower,
             is_veto_threshold=is_veto_threshold, pmis=pmis,
             behav_logp_by_version=behav_logp_by_version, version_token_counts=version_token_counts,
+            mixture_counts=mixture_counts,
         )
         obj, flags = weighted_surrogate(
             logp, prox_logp, behav_logp, advantages, m, rho, clip_low=clip_low,

@@ -88,11 +88,18 @@ def resolve_denominator(mask: torch.Tensor, loss_denominator: Denominator, dtype
 
 
 def version_token_counts(versions: torch.Tensor, mask: torch.Tensor) -> dict[int, float]:
-    """Masked-token count `N_k` per behavior version `k` (`versions` is `[B]`).
+    """Masked-token count `N_k` per behavior version `k`.
 
-    Compute it once on the full batch and pass it to `darl_policy_loss` for micro-batches.
+    `versions` `[B]` (each sequence's version: every token of row i counts for `versions[i]`)
+    or `[B, T]` (each token's own version, e.g. `TrainBatch.token_versions`: an interrupted
+    rollout counts its later tokens for the version that generated them). Compute it once on
+    the full batch and pass it to `darl_policy_loss` for micro-batches.
     """
     m = check_token_tensors(mask)
+    if versions.dim() == 2:
+        check_token_tensors(mask, versions=versions)
+        kept = versions[m]
+        return {int(k): float((kept == k).sum()) for k in torch.unique(kept).tolist()}
     check_sequence_tensor("versions", versions, m.shape[0])
     per_row = m.sum(-1)
     return {

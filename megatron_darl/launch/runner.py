@@ -99,7 +99,8 @@ def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
     feed = None
     if learner.is_main:
         ring = ShmRing.create(info["ring"], cfg.replay.ring_bytes, checksum=cfg.replay.effective_ring_checksum)
-        feed = ReplayFeed(ring, ReplayStore(cfg.replay, cfg.rollout.group_size), cfg.train.batch_prompts)
+        feed = ReplayFeed(ring, ReplayStore(cfg.replay, cfg.rollout.group_size), cfg.train.batch_prompts,
+                          cfg.staleness.max_head_offpolicyness)
     publisher = Publisher(learner, info["weights_root"], info["notice"], info["status"], info["weights_kind"])
     parent = os.getppid()
 

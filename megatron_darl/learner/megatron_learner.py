@@ -59,6 +59,7 @@ class MegatronLearner:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model_cfg, self.parallel_cfg, self.optim_cfg = model_cfg, parallel_cfg, optim_cfg
         self.learner_cfg, self.algo_cfg, self.temperature = learner_cfg, algo_cfg, temperature
+        self.seed = seed  # with the step, seeds the partition of each batch into minibatches
         self.ctx = init_parallel(parallel_cfg, seed)
         self.hf_config = model.read_hf_config(model_cfg.hf_dir)
         self.spec = model.resolve_spec(model_cfg, self.ctx.on_gpu, parallel_cfg)
@@ -141,7 +142,7 @@ class MegatronLearner:
                              self.algo_cfg, self.learner_cfg,
                              pg=self.ctx.pg, device=self.ctx.device, temperature=self.temperature,
                              vocab_size=self.vocab_size, beta=beta, pmis=self.pmis, num_params=self.num_params,
-                             prox_version=self.step)
+                             prox_version=self.step, minibatch_seed=(self.seed, self.step))
         self.step += 1
         if self.snapshots is not None:
             self.snapshots.prune(self.step)

@@ -62,16 +62,21 @@ def pad_batch(batch: TrainBatch, multiple: int) -> TrainBatch:
     return dataclasses.replace(batch, lengths=lengths, behav_logprobs_by_version=by_version, **arrays)
 
 
-def split_minibatches(group_index: np.ndarray, n: int) -> list[np.ndarray]:
-    """Row indices of `n` minibatches: whole groups (a group is never split), contiguous in
-    group order, balanced by group count. Fewer than `n` when there are fewer groups."""
-    groups = list(dict.fromkeys(int(g) for g in group_index))
-    parts = np.array_split(np.arange(len(groups)), min(n, len(groups)))
-    out = []
-    for part in parts:
-        chosen = {groups[i] for i in part}
-        out.append(np.array([i for i, g in enumerate(group_index) if int(g) in chosen], dtype=np.int64))
-    return out
+def split_minibatches(group_index: np.ndarray, n: int, seed=0) -> list[np.ndarray]:
+    """Row indices of `n` minibatches: a random partition of the groups (a group is never split),
+    balanced by group count; fewer than `n` when there are fewer groups. The groups are shuffled
+    with `np.random.default_rng(seed)` (the loop passes `(train.seed, step)`: the same partition
+    on every rank and on a rerun), so each minibatch holds a mix of behavior versions; cutting
+    the batch in selection or version order would put the stalest groups in the last update and
+    turn the per-version objective into a plain token mean per minibatch. Rows keep batch order
+    within a minibatch."""
+    groups = np.array(list(dict.fromkeys(int(g) for g in group_index)), dtype=np.int64)
+    if len(groups) == 0:
+        return []
+    order = np.random.default_rng(seed).permutation(len(groups))
+    owner = dict(zip(groups[order].tolist(), np.arange(len(groups)) * min(n, len(groups)) // len(groups)))
+    part = np.array([owner[int(g)] for g in group_index], dtype=np.int64)
+    return [np.flatnonzero(part == p) for p in range(min(n, len(groups)))]
 
 
 def dp_share(rows: np.ndarray, lengths: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
@@ -113,6 +118,9 @@ def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, li
         "advantages": torch.as_tensor(batch.advantages[rows], dtype=torch.float32, device=device),
         "versions": torch.as_tensor(batch.versions[rows], dtype=torch.long, device=device),
     }
+    if batch.token_versions is not None:  # each token's own version (-1 off the response: the row's)
+        tv = t(batch.token_versions, torch.long)
+        mb["token_versions"] = torch.where(tv >= 0, tv, mb["versions"].unsqueeze(-1))
     if batch.prox_logprobs is not None:
         mb["prox_logprobs"] = t(batch.prox_logprobs, torch.float32)
     if batch.behav_logprobs_by_version:

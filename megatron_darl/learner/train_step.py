@@ -65,10 +65,13 @@ def setup_training(chunks: list, optim: OptimConfig, pg, *, on_gpu: bool):
 def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.ndarray,
                         beta: dict[int, float] | None, pmis: str = "ess",
                         prox_version: int | None = None) -> tuple[dict, dict]:
-    """Whole-minibatch quantities every micro-batch loss needs, and their metrics (once).
+    """Quantities every micro-batch loss of `rows` needs, and their metrics (computed once).
+    `train_step` calls it once per step on the WHOLE selected batch (beta_k, N_k and ESS are
+    whole-batch constants, ALGORITHM.md) and shares the result out with `minibatch_share`.
     `pmis` (ess | tokens | balance) computes D-ARL's beta_k when the caller passes no `beta`;
     balance also needs `log mu_k` per version (see `balance_logp`; `prox_version` is the
-    version of the proximal policy, the learner's step)."""
+    version of the proximal policy, the learner's step) and mixes versions per token: `alpha_k`
+    counts each token for the version that generated it (`token_versions`)."""
     t = lambda a: torch.as_tensor(np.asarray(a)[rows], dtype=torch.float32)  # noqa: E731
     mask = t(batch.loss_mask) > 0
     consts = {"den": max(float(mask.sum()), 1.0)}
@@ -76,18 +79,20 @@ def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.n
     if algo_cfg.policy_loss == "darl":
         versions = torch.as_tensor(batch.versions[rows])
         counts = algo.version_token_counts(versions, mask)
-        by_version = None
+        by_version, mix = None, None
         if pmis == "balance":
-            consts.update(needed=sorted(k for k, n in counts.items() if float(n) > 0), prox_version=prox_version)
+            token_versions = _token_versions(batch, rows, versions)
+            mix = algo.version_token_counts(token_versions, mask)
+            consts.update(needed=sorted(k for k, n in mix.items() if float(n) > 0), prox_version=prox_version, mix=mix)
             given = {k: t(v) for k, v in (batch.behav_logprobs_by_version or {}).items()}
             by_version, interpolated = balance_logp(consts, given, t(batch.prox_logprobs), t(batch.behav_logprobs),
-                                                    versions)
+                                                    token_versions)
             metrics.update({"algo/balance_exact": float(interpolated == 0),
                             "algo/balance_interpolated": float(interpolated)})
         if beta is None:
             beta, counts, m = algo.pmis_batch_constants(
                 t(batch.prox_logprobs), t(batch.behav_logprobs), mask, versions,
-                **_is_kwargs(algo_cfg), pmis=pmis, behav_logp_by_version=by_version)
+                **_is_kwargs(algo_cfg), pmis=pmis, behav_logp_by_version=by_version, mixture_counts=mix)
             metrics.update({k: float(v) for k, v in m.items()})
         consts.update(beta={int(k): float(v) for k, v in beta.items()}, counts=counts, pmis=pmis)
     elif algo_cfg.policy_loss == "ppo" and algo_cfg.rollout_is is not None:
@@ -97,14 +102,47 @@ def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.n
     return consts, metrics
 
 
+def minibatch_share(whole: dict, batch: TrainBatch, rows: np.ndarray) -> dict:
+    """The constants of one minibatch (`rows`) of a batch whose `minibatch_constants` are
+    `whole`: beta_k (and balance's alpha_k) of the whole batch; the token-mean denominator is
+    the minibatch's own token count `N_mb`, and N_k becomes `N_k * N_mb / N`, so the
+    minibatch's loss `-sum_k beta_k (N / (N_k N_mb)) sum_{mb, k} ...` estimates the whole-batch
+    objective from its own tokens (with beta_k = N_k / N: exactly the minibatch token mean,
+    the collapsed baseline's update)."""
+    den = max(float((np.asarray(batch.loss_mask)[rows] > 0).sum()), 1.0)
+    consts = {**whole, "den": den}
+    if "counts" in whole:
+        scale = den / whole["den"]
+        consts["counts"] = {k: float(n) * scale for k, n in whole["counts"].items()}
+    return consts
+
+
+def _token_versions(batch: TrainBatch, rows: np.ndarray, versions: torch.Tensor) -> torch.Tensor:
+    """Each token's behavior version `[B, T]` (a sequence's version where none was recorded)."""
+    per_row = versions.unsqueeze(-1).expand(len(rows), batch.loss_mask.shape[1])
+    if batch.token_versions is None:
+        return per_row
+    tv = torch.as_tensor(np.asarray(batch.token_versions)[rows], dtype=torch.long)
+    tv = torch.where(tv >= 0, tv, per_row)
+    mask = torch.as_tensor(np.asarray(batch.loss_mask)[rows]) > 0
+    oldest = torch.where(mask, tv, torch.iinfo(torch.long).max).amin(-1)
+    bad = mask.any(-1) & (oldest != versions)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"TrainBatch: row {int(rows[i])} has versions={int(versions[i])} but its oldest token "
+                         f"version is {int(oldest[i])} (a sequence's version is its oldest token's)")
+    return tv
+
+
 def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Tensor,
                  versions: torch.Tensor) -> tuple[dict[int, torch.Tensor], int]:
-    """`log mu_k` of these rows for every version k of the minibatch (`consts["needed"]`), and
-    how many versions were interpolated (and read by rows of another version). Exact from
+    """`log mu_k` of these rows for every version k of the batch (`consts["needed"]`), and
+    how many versions were interpolated (and read by tokens of another version). Exact from
     `given` (the batch's kept-snapshot recompute), or the proximal log-probs for the proximal
     version itself; the rest by the log-linear APPROXIMATION `algo.interpolate_version_logp`
-    between b and p. A row's own version uses its behavior log-probs b (what the engine
-    sampled with), so one version is plain IS."""
+    between b and p. `versions`: each token's version `[B, T]` (or each row's `[B]`); a token's
+    own version uses its behavior log-prob b (what the engine sampled it with), so one version
+    is plain IS and the later tokens of an interrupted rollout are exact for their own version."""
     needed, prox_version = consts["needed"], consts["prox_version"]
     out = {k: given[k] for k in needed if k in given}
     if prox_version in needed and prox_version not in out:
@@ -115,8 +153,8 @@ def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Ten
             raise ValueError(f"pmis='balance': no log-probs for versions {missing} and no prox_version to "
                              "interpolate them")
         out.update(algo.interpolate_version_logp(prox, behav, versions, prox_version, missing))
-    own = lambda k: (versions == k).unsqueeze(-1)  # noqa: E731
-    # with one version every row reads its own b: nothing interpolated is used
+    own = (lambda k: versions == k) if versions.dim() == 2 else (lambda k: (versions == k).unsqueeze(-1))  # noqa: E731
+    # with one version every token reads its own b: nothing interpolated is used
     return {k: torch.where(own(k), behav, lp) for k, lp in out.items()}, (len(missing) if len(needed) > 1 else 0)
 
 
@@ -152,10 +190,12 @@ def policy_loss(a: AlgorithmConfig, consts: dict, mb: dict, logp: torch.Tensor, 
     elif a.policy_loss == "darl":
         by_version = None
         if consts["pmis"] == "balance":
-            by_version, _ = balance_logp(consts, mb.get("behav_logprobs_by_version", {}), prox, behav, mb["versions"])
+            tv = mb.get("token_versions", mb["versions"])  # each token's version (balance is per token)
+            by_version, _ = balance_logp(consts, mb.get("behav_logprobs_by_version", {}), prox, behav, tv)
         loss, m = algo.darl_policy_loss(logp, prox, behav, adv, mask, mb["versions"], **_is_kwargs(a),
                                         pmis=consts["pmis"], beta=consts["beta"], version_token_counts=consts["counts"],
-                                        behav_logp_by_version=by_version, **common, **_behav_clip(a))
+                                        behav_logp_by_version=by_version, mixture_counts=consts.get("mix"),
+                                        **common, **_behav_clip(a))
     elif a.policy_loss == "sg_weight":
         loss, m = algo.sg_policy_loss(logp, behav, adv, mask, threshold=a.rollout_is_threshold, loss_denominator=den)
     else:
@@ -187,15 +227,22 @@ def reduce_head_metrics(outs: list[dict], pg, device) -> dict[str, float]:
 
 def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmConfig, lc: LearnerConfig, *,
                pg, device, temperature: float, vocab_size: int, beta: dict[int, float] | None = None,
-               pmis: str = "ess", num_params: int = 0, prox_version: int | None = None) -> dict[str, float]:
-    """`ppo_n_minibatches` optimizer steps over `batch`; metrics averaged over the steps."""
+               pmis: str = "ess", num_params: int = 0, prox_version: int | None = None,
+               minibatch_seed=0) -> dict[str, float]:
+    """`ppo_n_minibatches` optimizer steps over `batch`; metrics averaged over the steps, except
+    the behavior-weight statistics, which describe the whole batch (computed once). The
+    per-version constants (beta_k, N_k, ESS) are computed once on the whole batch; the
+    minibatches are a random partition of its groups seeded by `minibatch_seed` (the learner
+    passes `(train.seed, step)`: the same partition on every rank)."""
     if a.uses_proximal and batch.prox_logprobs is None:
         raise ValueError(f"policy_loss={a.policy_loss} old_logprob={a.old_logprob} needs batch.prox_logprobs")
     start = time.perf_counter()
     per_step: list[dict[str, float]] = []
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
-    for rows in split_minibatches(batch.group_index, a.ppo_n_minibatches):
-        consts, metrics = minibatch_constants(a, batch, rows, beta, pmis, prox_version)
+    whole, batch_metrics = minibatch_constants(a, batch, np.arange(batch.batch_size), beta, pmis, prox_version)
+    batch_metrics = {**weight_diagnostics(a, batch, whole), **batch_metrics}
+    for rows in split_minibatches(batch.group_index, a.ppo_n_minibatches, minibatch_seed):
+        consts = minibatch_share(whole, batch, rows)
         mbs = rank_micro_batches(batch, rows, lc.micro_batch_tokens, dp, dp_rank, device)
         for chunk in ddp:
             chunk.zero_grad_buffer()
@@ -205,12 +252,13 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmC
         scheduler.step(increment=1)  # optimizer step i (1-based) runs at the schedule's lr(i)
         lr = float(optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = optimizer.step()
-        metrics.update(reduce_head_metrics(outs, pg, device))
+        metrics = reduce_head_metrics(outs, pg, device)
         metrics.update({"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok),
                         "train/lr": lr})
         per_step.append(metrics)
     elapsed = time.perf_counter() - start
     out = {k: float(np.mean([m[k] for m in per_step if k in m])) for k in dict.fromkeys(k for m in per_step for k in m)}
+    out.update(batch_metrics)  # one source: the whole batch's weights, not a mean over minibatches
     out["train/clip_frac"] = out.get("algo/clip_frac", 0.0)
     out["train/lr"] = per_step[-1]["train/lr"]
     out["train/optimizer_steps"] = float(len(per_step))
@@ -220,6 +268,44 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmC
     if device.type == "cuda" and num_params:
         out.update(_mfu(num_params, tokens * len(per_step), elapsed, dist.get_world_size()))
     return out
+
+
+def weight_diagnostics(a: AlgorithmConfig, batch: TrainBatch, whole: dict) -> dict[str, float]:
+    """ALGORITHM.md's drift diagnostics of the whole batch, from the behavior weights the
+    configured loss multiplies its surrogate by (`whole`: the batch's `minibatch_constants`):
+    ESS fraction, rho mean/max/p99 and token share, global and per version, KL(mu || pi_prox)
+    k1/k2/k3; plus the weight function's own fractions (capped, truncated, masked, vetoed).
+    Losses without behavior weights (naive and synchronous PPO, sg_weight) get only KL, and
+    only when proximal log-probs exist."""
+    if batch.prox_logprobs is None:
+        return {}
+    prox, behav = (torch.as_tensor(x, dtype=torch.float32) for x in (batch.prox_logprobs, batch.behav_logprobs))
+    mask, versions = torch.as_tensor(batch.loss_mask) > 0, torch.as_tensor(batch.versions)
+    out: dict = {}
+    if a.policy_loss == "decoupled":
+        rho, out = algo.decoupled_weights(prox, behav, mask, behav_weight_cap=a.behav_weight_cap)
+    elif a.policy_loss == "ppo" and a.rollout_is is not None:
+        rho, out = algo.rollout_is_weights(prox, behav, mask, level=a.rollout_is, **_weight_kwargs(a))
+    elif a.policy_loss == "darl":
+        by_version = None
+        if whole["pmis"] == "balance":
+            given = {k: torch.as_tensor(v, dtype=torch.float32)
+                     for k, v in (batch.behav_logprobs_by_version or {}).items()}
+            by_version, _ = balance_logp(whole, given, prox, behav,
+                                         _token_versions(batch, np.arange(batch.batch_size), versions))
+        rho, out = algo.pmis_behavior_weights(prox, behav, mask, versions, **_is_kwargs(a), pmis=whole["pmis"],
+                                              behav_logp_by_version=by_version, version_token_counts=whole["counts"],
+                                              mixture_counts=whole.get("mix"))
+    else:
+        rho = None
+    if rho is None:
+        out = dict(algo.kl_estimates(prox, behav, mask))
+        for k in torch.unique(versions).tolist():
+            rows = mask & (versions == k).unsqueeze(-1)
+            out.update({f"{n}/v{k}": v for n, v in algo.kl_estimates(prox, behav, rows).items()})
+    else:
+        out = {**algo.diagnostics(prox, behav, mask, versions, weights=rho), **out}
+    return {k: float(v) for k, v in out.items()}
 
 
 def _mfu(num_params: int, tokens: float, seconds: float, gpus: int) -> dict[str, float]:

@@ -5,18 +5,23 @@ What it is: the learner-side pool that D-ARL samples from. Trajectories arrive o
 are in. Each training step is two phases, because a group's score needs proximal log-probs
 that only the learner can compute:
 
-    cands = store.candidates(t)              # evicts by age, applies warmup; no other change
+    cands = store.candidates(t, ...)         # evicts by age, applies warmup; offers a subset
     scores = learner_scores(cands.groups)    # recompute log pi_prox, score s_g per group
     idx = select_fn(scores, cands.versions, batch_groups)
     batch = store.commit(t, cands.group_ids[idx])   # reuse += 1, drop groups at max_reuse
 
 `sample(t, batch_groups, select_fn, score_fn)` runs both phases for callers whose scores need
 no learner pass (baselines). Rules (ALGORITHM.md): a group of behavior version v leaves when
-t - v > K (replay on) or after `effective_max_reuse` trainings; for the first `warmup` steps
-only the freshest version in the pool is offered. With replay off (`enable=False`) every group
-is trained exactly once and never aged out, as the baselines do: the staleness gate bounds
-their age instead. `state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able
-metadata plus numpy arrays, no pickle).
+t - v > K (replay on) or after `effective_max_reuse` trainings; with variance-guided selection
+(`sg`), for the first `warmup` steps only the freshest version in the pool is offered (never
+without it: baselines take the oldest groups from the first step). With replay off
+(`enable=False`) every group is trained exactly once and never aged out, as the baselines do:
+the staleness gate bounds their age instead. Which groups of the window a step is offered
+(the oldest never-trained ones it takes, older reused ones) is the feed's decision
+(`replay/feed.py`). Counters: `consumed` (groups trained for the first time, aged out
+untrained or dropped incomplete: what the staleness gate credits) and `replay/trained_frac`.
+`state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able metadata plus numpy
+arrays, no pickle).
 What it is not: the selection rule (`algo.select_groups`), the scoring maths, or transport.
 """
 
@@ -76,9 +81,10 @@ class ReplayStore:
         self._pool: dict[int, ReplayGroup] = {}  # insertion order = arrival order
         self._pending: dict[int, list[Trajectory]] = {}  # groups still missing responses
         self._step = 0  # latest step seen (candidates/commit/add)
-        self._counters = Counter()  # cumulative: added, evicted_age, evicted_reuse, dropped_incomplete
-        self._last_cand_ages: Counter = Counter()  # metrics of the latest step only
-        self._last_batch_ages: Counter = Counter()
+        # cumulative: added, trained (first time), evicted_age (of which evicted_untrained),
+        # evicted_reuse, dropped_incomplete
+        self._counters = Counter()
+        self._last_candidates = (0, 0)  # (groups offered, of them never trained) at the latest step
 
     # ---------------------------------------------------------------- intake
     def add(self, traj: Trajectory, step: int | None = None) -> ReplayGroup | None:
@@ -101,12 +107,28 @@ class ReplayStore:
         return sum(self.add(t, step) is not None for t in trajs)
 
     # ---------------------------------------------------------------- sampling
-    def candidates(self, step: int) -> Candidates:
-        """Evict what aged out at `step`, then the groups this step may train on."""
+    def candidates(self, step: int, new_limit: int | None = None, reused_before: int | None = None,
+                   reused_limit: int | None = None) -> Candidates:
+        """Evict what aged out at `step`, then the groups this step may train on, in pool order
+        (oldest version first, then group id). Without arguments: the whole window. With
+        `new_limit`, only the `new_limit` OLDEST never-trained groups: groups generated for a
+        later step are not offered yet (scored against a policy that barely moved they would
+        beat older never-trained groups, which would then age out untrained; and the learner
+        would recompute log-probs for groups it does not train). With `reused_before`, only
+        reused groups of versions below it: older than the new data, so a reused group never
+        crowds out a never-trained one (selection ranks it after newer groups of similar drift).
+        With `reused_limit`, at most that many reused groups, the freshest (most likely to pass
+        selection's threshold) first: the learner recomputes log-probs for every candidate."""
         self._step = max(self._step, step)
         self._evict_age(step)
         groups = self._eligible(step)
-        self._last_cand_ages = Counter(step - g.version for g in groups)
+        fresh = [g for g in groups if g.reuse == 0]
+        reused = [g for g in groups if g.reuse > 0 and (reused_before is None or g.version < reused_before)]
+        reused.sort(key=lambda g: (-g.version, g.reuse, g.group_id))
+        keep = {id(g) for g in (fresh if new_limit is None else fresh[:new_limit])}
+        keep |= {id(g) for g in (reused if reused_limit is None else reused[:reused_limit])}
+        groups = [g for g in groups if id(g) in keep]
+        self._last_candidates = (len(groups), sum(g.reuse == 0 for g in groups))
         return Candidates(step, groups)
 
     def commit(self, step: int, group_ids: Iterable[int]) -> list[ReplayGroup]:
@@ -121,11 +143,11 @@ class ReplayStore:
         batch = [self._pool[g] for g in ids]
         limit = self.cfg.effective_max_reuse
         for g in batch:
+            self._counters["trained"] += g.reuse == 0
             g.reuse += 1
             if g.reuse >= limit:
                 del self._pool[g.group_id]
                 self._counters["evicted_reuse"] += 1
-        self._last_batch_ages = Counter(step - g.version for g in batch)
         return batch
 
     def sample(
@@ -155,12 +177,17 @@ class ReplayStore:
         groups = self._eligible(step)
         return len(groups) >= batch_groups and sum(g.reuse == 0 for g in groups) >= min_new
 
+    def reused_eligible(self, step: int, before: int | None = None) -> int:
+        """Groups trained before that `step` may train again (in the window, under max_reuse),
+        of versions below `before` when given."""
+        return sum(g.reuse > 0 and (before is None or g.version < before) for g in self._eligible(step))
+
     def _aged_out(self, g: ReplayGroup, step: int) -> bool:
         return self.cfg.enable and step - g.version > self.cfg.k
 
     def _evict_age(self, step: int) -> None:
         for gid in [gid for gid, g in self._pool.items() if self._aged_out(g, step)]:
-            del self._pool[gid]
+            self._counters["evicted_untrained"] += self._pool.pop(gid).reuse == 0
             self._counters["evicted_age"] += 1
         # an incomplete group this old would be evicted as soon as it completed; it may also have
         # lost a response (a producer died mid-write) and never complete. With replay off nothing
@@ -177,7 +204,7 @@ class ReplayStore:
         # (version, group id), not arrival order: arrival depends on engine timing, and the same
         # data must give the same batch on a rerun
         groups.sort(key=lambda g: (g.version, g.group_id))
-        if step < self.cfg.warmup and groups:
+        if step < self.cfg.effective_warmup and groups:
             newest = max(g.version for g in groups)
             groups = [g for g in groups if g.version == newest]
         return groups
@@ -194,8 +221,24 @@ class ReplayStore:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def last_reused_offered(self) -> int:
+        """Reused groups among the latest step's candidates."""
+        return self._last_candidates[0] - self._last_candidates[1]
+
+    @property
+    def consumed(self) -> int:
+        """Complete groups that left the never-trained state: trained once, aged out untrained,
+        or dropped incomplete. What the staleness gate credits generation with (the learner
+        reports it in the weight notice), so generation replaces exactly what was used up."""
+        c = self._counters
+        return int(c["trained"] + c["evicted_untrained"] + c["dropped_incomplete"])
+
     def metrics(self) -> dict[str, float | np.ndarray]:
-        """Scalars and histograms (numpy arrays) under `replay/`; filtered_frac is per age d = t - v."""
+        """Scalars and histograms (numpy arrays) under `replay/`: the pool (its staleness
+        histogram has one bin per age d = t - v, the last for d > K) and cumulative counters.
+        What a step selected is the selection's to report (`algo/select/filtered_frac/v{k}`,
+        by behavior version k, and the batch's `algo/staleness/batch/*`)."""
         t, k = self._step, self.cfg.k
         ages = [min(max(t - g.version, 0), k + 1) for g in self._pool.values()]  # bin k+1: older than K
         reuse_bins = max(self.cfg.effective_max_reuse, 1)
@@ -208,13 +251,12 @@ class ReplayStore:
                 np.array([g.reuse for g in self._pool.values()], dtype=np.int64), minlength=reuse_bins
             ),
         }
-        for name in ("added", "evicted_age", "evicted_reuse", "dropped_incomplete"):
+        for name in ("added", "trained", "evicted_age", "evicted_untrained", "evicted_reuse", "dropped_incomplete"):
             out[f"replay/{name}"] = float(self._counters[name])
-        n_batch = sum(self._last_batch_ages.values())
-        if n_batch:
-            out["replay/batch_staleness_mean"] = sum(a * c for a, c in self._last_batch_ages.items()) / n_batch
-        for age, n in sorted(self._last_cand_ages.items()):
-            out[f"replay/filtered_frac/v{age}"] = 1.0 - self._last_batch_ages.get(age, 0) / n
+        out["replay/consumed"] = float(self.consumed)
+        # of the groups whose fate is decided, the share trained at least once (1 before any)
+        out["replay/trained_frac"] = self._counters["trained"] / self.consumed if self.consumed else 1.0
+        out["replay/candidates"], out["replay/candidates_new"] = (float(n) for n in self._last_candidates)
         return out
 
     # ---------------------------------------------------------------- checkpoint
@@ -258,7 +300,6 @@ class ReplayStore:
         self._pending = {int(gid): [next(trajs) for _ in range(n)] for gid, n in meta["pending"]}
         self._step = int(meta["step"])
         self._counters = Counter({k: int(v) for k, v in meta["counters"].items()})
-        self._last_cand_ages, self._last_batch_ages = Counter(), Counter()
 
     def save(self, path: str) -> None:
         """Write `state_dict()` to one .npz file (meta as UTF-8 JSON bytes)."""

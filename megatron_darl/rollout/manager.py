@@ -75,7 +75,7 @@ class AdmissionGate(Protocol):
 
     def release(self, accepted: bool) -> None: ...
 
-    def on_version(self, version: int) -> None: ...
+    def on_version(self, version: int, consumed: int | None = None, batch_size: int | None = None) -> None: ...
 
 
 class EngineRestarter(Protocol):
@@ -274,10 +274,12 @@ class RolloutManager:
         self._background = []
         self._write_status()
 
-    async def aupdate_weights(self, weights: WeightVersion) -> None:
+    async def aupdate_weights(self, weights: WeightVersion, consumed: int | None = None,
+                              new_groups: int | None = None) -> None:
         """Pause every live engine (`pause_mode`), load `weights`, resume. Older versions are ignored;
         the current version is loaded again only from a new location, or when a restored manager
-        waits for it (a resumed run publishes the checkpoint's version afresh at launch)."""
+        waits for it (a resumed run publishes the checkpoint's version afresh at launch).
+        `consumed`, `new_groups`: what the learner used up and its next step takes, for the gate."""
         async with self._update_lock:
             same = self._weights is None or weights.location == self._weights.location
             # a restored manager takes the learner's first publication whatever its version: it
@@ -294,7 +296,7 @@ class RolloutManager:
                 self._version, self._weights = weights.version, weights
                 self._awaiting_weights = False  # engines that miss it now get it when they come back
                 if self._gate is not None:
-                    self._gate.on_version(weights.version)
+                    self._gate.on_version(weights.version, consumed, new_groups)  # the learner's counts, if sent
                 await self._apush(weights, [s for s in live if s.up])
                 # nothing stays paused: an engine whose pause or update failed is down, but resumed
                 await asyncio.gather(*(self._aresume_quietly(s) for s in live if not s.up))
@@ -631,7 +633,7 @@ class RolloutManager:
                 notice = None
             if notice is not None:
                 if notice.weights is not None:
-                    await self.aupdate_weights(notice.weights)
+                    await self.aupdate_weights(notice.weights, consumed=notice.consumed, new_groups=notice.new_groups)
                 if notice.state_request and notice.state_request != self._state_answered:
                     # a clean cut: every group is then either whole in the ring or in the state
                     await self._signal.wait_for(lambda: not self._writing)

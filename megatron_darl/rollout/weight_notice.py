@@ -65,17 +65,24 @@ def weight_version_from_json(d: dict[str, Any], where: str) -> WeightVersion:
 @dataclass(frozen=True)
 class WeightNotice:
     """What the learner tells the manager. `state_request`: a path where the manager should
-    write its `state_dict()` (for a checkpoint); a new path means a new request."""
+    write its `state_dict()` (for a checkpoint); a new path means a new request. For the
+    staleness gate (None: not reported): `consumed`, the groups the learner has used up with
+    these weights (trained once, or aged out untrained; `ReplayStore.consumed`), and
+    `new_groups`, the never-trained groups its next step takes (the gate's batch)."""
 
     weights: WeightVersion | None = None
     stop: bool = False
     state_request: str | None = None
+    consumed: int | None = None
+    new_groups: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "weights": asdict(self.weights) if self.weights is not None else None,
             "stop": self.stop,
             "state_request": self.state_request,
+            "consumed": self.consumed,
+            "new_groups": self.new_groups,
         }
 
     @classmethod
@@ -87,6 +94,8 @@ class WeightNotice:
             weights=weight_version_from_json(w, where) if w is not None else None,
             stop=bool(d.get("stop", False)),
             state_request=d.get("state_request"),
+            consumed=None if d.get("consumed") is None else int(d["consumed"]),
+            new_groups=None if d.get("new_groups") is None else int(d["new_groups"]),
         )
 
 

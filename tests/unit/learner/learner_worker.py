@@ -55,7 +55,7 @@ def make_batch(seed: int = 0):
     return TrainBatch(
         tokens=tokens, lengths=lengths.astype(np.int64), loss_mask=mask,
         advantages=rng.randn(b).astype(np.float32), behav_logprobs=behav,
-        token_versions=np.where(mask > 0, 3, -1).astype(np.int64),
+        token_versions=np.where(mask > 0, np.array([3, 3, 2, 2, 3, 3, 2, 2])[:, None], -1).astype(np.int64),
         versions=np.array([3, 3, 2, 2, 3, 3, 2, 2], np.int64),
         group_index=np.repeat(np.arange(4), 2).astype(np.int64),
         rewards=rng.rand(b).astype(np.float32), prompt_ids=np.arange(b, dtype=np.int64))

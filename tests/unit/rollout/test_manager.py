@@ -546,3 +546,32 @@ def test_an_engine_down_while_paused_is_resumed_before_its_health_check():
 
     m = asyncio.run(main())
     assert m["rollout/engine_recoveries"] == 1 and m["rollout/engines_up"] == 2, m
+
+
+@pytest.mark.timeout(60)
+def test_learner_notice_sets_what_the_gate_credits(tmp_path):
+    """The weight notice's `consumed` and `new_groups` (D-ARL's learner trains fewer new groups
+    per step than a batch) reach the staleness gate: a new version alone no longer admits a
+    batch; the groups the learner used up do."""
+    eta, batch = 1, 2
+    gate = StalenessGate(eta, batch)
+    cfg, engines, prompts, sink, wf = make(n_prompts=40)
+    notice = str(tmp_path / "notice.json")
+
+    async def settled():
+        for _ in range(30):
+            await asyncio.sleep(0.02)
+        return len(sink.groups)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, gate=gate, notice_path=notice, poll_interval_s=0.01)
+        await mgr.astart()
+        assert await settled() == (eta + 1) * batch
+        # step 0 trained 1 new group and the next step takes 1: (eta + 1) * 1 + 1 - 4 < 0
+        publish_notice(notice, WeightNotice(WeightVersion(1, "disk", "/w/1"), consumed=1, new_groups=1))
+        assert await settled() == 4 and (gate.version, gate.consumed, gate.batch_size) == (1, 1, 1)
+        publish_notice(notice, WeightNotice(WeightVersion(2, "disk", "/w/2"), consumed=4, new_groups=2))
+        assert await settled() == (eta + 1) * 2 + 4  # what was used up is replaced, eta steps ahead
+        await mgr.astop()
+
+    asyncio.run(main())

@@ -76,3 +76,27 @@ def test_choose_groups_warmup_takes_only_the_freshest_version():
     b.prox_logprobs = b.behav_logprobs.copy()
     chosen, _ = choose_groups(b, cands, 4, ReplayConfig(sg=True, warmup=5), step=1)
     assert sorted(chosen.tolist()) == [2, 3]
+
+
+def test_reused_admitted_counts_what_selection_admits():
+    """The feed plans the next step from `algo/select/reused_admitted`: it must be selection's own
+    admission rule (tau for the freshest version, min(tau, tau_abs) for stale ones)."""
+    import torch
+
+    from megatron_darl import algo
+
+    rng = np.random.default_rng(1)
+    for trial in range(20):
+        cands = _cands([0, 0, 1, 1, 2, 2, 2, 1], seed=trial)
+        for i, g in enumerate(cands.groups):
+            g.reuse = i % 2
+        b = candidate_batch(cands, AlgorithmConfig())
+        b.prox_logprobs = (b.behav_logprobs + rng.normal(0, 0.2, b.tokens.shape) * b.loss_mask).astype(np.float32)
+        rc = ReplayConfig(sg=True, warmup=0, sg_quantile=0.7, sg_tau_abs=0.03)
+        _, m = choose_groups(b, cands, 8, rc, step=3)
+        scores = algo.variance_scores(torch.as_tensor(b.prox_logprobs), torch.as_tensor(b.behav_logprobs),
+                                      torch.as_tensor(b.loss_mask))
+        _, g_scores, _ = algo.group_scores(scores, torch.as_tensor(b.group_index), torch.as_tensor(b.versions))
+        admitted = algo.select_groups(g_scores, torch.as_tensor(cands.versions), quantile=0.7, tau_abs=0.03,
+                                      batch_groups=8, fill="none")
+        assert m["algo/select/reused_admitted"] == sum(cands.groups[int(i)].reuse for i in admitted)
