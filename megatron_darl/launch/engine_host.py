@@ -54,6 +54,11 @@ def slurm_attempt() -> str | None:
     return f"{job}.{os.environ.get('SLURM_RESTART_COUNT', '0') or '0'}" if job else None
 
 
+def node_name() -> str:
+    """This node's name: Slurm's (virtual nodes share a host name), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def node_address(node: str | None = None) -> str:
     """The address other nodes reach this node at: Slurm's NodeAddr of the node, else its name."""
     node = node or os.environ.get("SLURMD_NODENAME")
@@ -140,7 +145,7 @@ class EngineHost:
             with open(path, encoding="utf-8") as fh:
                 self.probe = fh.read().strip()
         except OSError as exc:
-            raise RuntimeError(f"node {socket.gethostname()} cannot read the run's weights folder "
+            raise RuntimeError(f"node {node_name()} cannot read the run's weights folder "
                                f"{self.info.weights_root} ({exc}); engines load every published version from "
                                f"there: train.run_dir must be on a file system all nodes share") from None
 
@@ -165,7 +170,7 @@ class EngineHost:
         e = self.engines[index]
         wait_healthy(e.url, e.child, self.startup_timeout_s, self.api_key, f"engine {index}")
         announce(self.info.engines_dir, EngineAnnouncement(
-            attempt=self.info.attempt, index=index, url=e.url, pid=e.child.pid, node=socket.gethostname(),
+            attempt=self.info.attempt, index=index, url=e.url, pid=e.child.pid, node=node_name(),
             generation=e.generation, log=e.child.log_path, probe=self.probe))
         self.log(f"engine {index} (generation {e.generation}) up at {e.url}")
 
