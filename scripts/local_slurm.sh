@@ -81,7 +81,8 @@ SlurmdParameters=config_overrides
 GresTypes=gpu
 JobRequeue=1
 # a cancelled or preempted job gets SIGTERM, then SIGKILL after KillWait: time to checkpoint and clean up
-KillWait=30
+# (generous: CI machines are loaded)
+KillWait=60
 # finished jobs stay visible to scontrol this long (there is no accounting database)
 MinJobAge=600
 InactiveLimit=0

@@ -207,7 +207,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attempt", default=None, help="the attempt to serve (default: from the Slurm job)")
     p.add_argument("--node", type=int, default=None, help="this node's index among the engine nodes "
                    "(default $SLURM_NODEID, else 0)")
-    p.add_argument("--nodes", type=int, default=None, help="engine nodes in all (default $SLURM_STEP_NUM_NODES, else 1)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="engine nodes in all (default $SLURM_STEP_NUM_NODES, else 1)")
     p.add_argument("--address", default=None, help="address engines are reached at (default: Slurm's NodeAddr)")
     p.add_argument("--gpus", default=None, help="comma-separated GPUs for engines (default $CUDA_VISIBLE_DEVICES)")
     return p
@@ -248,7 +249,8 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
     cfg = load_config(info.config)
     per = info.num_engines // nodes
     indices = list(range(node * per, (node + 1) * per))
-    gpus = args.gpus.split(",") if args.gpus else [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    gpus = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")).split(",")
+    gpus = [g for g in gpus if g]
     python = cfg.launch.python or sys.executable
     with Supervisor(info.log_dir, echo=None) as sup:
         host = EngineHost(info, engine_specs(cfg, indices, gpus, python), sup, node,

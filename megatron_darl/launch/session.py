@@ -260,7 +260,8 @@ class RunSession:
             from megatron_darl.eval.runner import paired_difference
 
             gain, lo, hi = paired_difference(before, after)
-            summary.update({"accuracy_before": float(before.scores.mean()), "accuracy_after": float(after.scores.mean()),
+            summary.update({"accuracy_before": float(before.scores.mean()),
+                            "accuracy_after": float(after.scores.mean()),
                             "gain": gain, "gain_ci95": [lo, hi], "eval_problems": len(before.uids)})
             self.log(f"held-out accuracy {100 * summary['accuracy_before']:.1f}% -> "
                      f"{100 * summary['accuracy_after']:.1f}%: gain {100 * gain:+.1f} points "

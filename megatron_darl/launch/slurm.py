@@ -185,8 +185,8 @@ def run_slurm(cfg: RunConfig) -> int:
     print(f"darl-train: submitted Slurm job {job.job_id}: {lc.trainer_nodes} trainer node(s) x "
           f"{lc.learner_procs_per_node} learner rank(s)" +
           (f" + {lc.rollout_nodes} rollout node(s) (heterogeneous job)" if lc.rollout_nodes else ""), flush=True)
-    print(f"darl-train: session log {folder}/{job.job_id}_0_log.out (other ranks: {folder}/{job.job_id}_<rank>_log.out; "
-          f"every role: {run_dir}/logs/)", flush=True)
+    print(f"darl-train: session log {folder}/{job.job_id}_0_log.out (other ranks: "
+          f"{folder}/{job.job_id}_<rank>_log.out; every role: {run_dir}/logs/)", flush=True)
     print(f"darl-train: TensorBoard: tensorboard --logdir {run_dir}/tb", flush=True)
     return follow(job, Path(folder), run_dir)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from megatron_darl.config import RunConfig, load_config
+from megatron_darl.config import ConfigError, RunConfig, load_config, preflight
 from megatron_darl.launch.engine_host import bind_address, free_port, node_address, slurm_attempt
 from megatron_darl.launch.local import ChildFailed, Supervisor
 from megatron_darl.launch.runner import ENGINE_HOST_MODULE, PY, TRAINER_MODULE, LocalPlacement, learner_env
@@ -91,7 +91,8 @@ class SlurmPlacement(LocalPlacement):
     def engine_gpus(self) -> list[str]:
         """With rollout_nodes=0: this node's GPUs after the learner ranks' ones."""
         total = self.cfg.launch.trainer.gpus_per_node
-        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g] or [str(i) for i in range(total)]
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        visible = visible or [str(i) for i in range(total)]
         return visible[self.cfg.launch.learner_procs_per_node:] if total else []
 
     def start_learners(self, info: RunInfo) -> None:
@@ -185,17 +186,30 @@ class TrainerTask(Checkpointable):
         return DelayedSubmission(TrainerTask(self.cfg))
 
     def _requeue(self, task: SlurmTask, code: int) -> int:
-        """After a SIGTERM (preemption) stopped the learners early: requeue, or say why not."""
-        if task.restarts >= self.cfg.launch.max_requeue:
-            print(f"[launcher] preempted; not requeued: launch.max_requeue={self.cfg.launch.max_requeue} reached; "
-                  f"continue with checkpoint.resume=auto", flush=True)
-            return code or 3
-        out = subprocess.run(["scontrol", "requeue", task.job_id], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:  # cancelled (scancel) rather than preempted: nothing to requeue
-            print(f"[launcher] preempted; not requeued ({out.stderr.strip() or out.stdout.strip()})", flush=True)
+        """After a SIGTERM stopped the learners early: requeue a job that is still running
+        (preempted, or signalled by its user), or say why not. A cancelled job (scancel sends the
+        same SIGTERM) stays cancelled: Slurm would requeue even that."""
+        state = job_state(task.job_id)
+        why = ("launch.max_requeue={} reached".format(self.cfg.launch.max_requeue)
+               if task.restarts >= self.cfg.launch.max_requeue else
+               None if state in ("RUNNING", "PREEMPTED") else f"the job is {state or 'gone'}")
+        if why is None:
+            out = subprocess.run(["scontrol", "requeue", task.job_id], capture_output=True, text=True, timeout=60)
+            why = None if out.returncode == 0 else (out.stderr.strip() or out.stdout.strip())
+        if why is not None:
+            print(f"[launcher] stopped early; not requeued ({why}): continue with checkpoint.resume=auto", flush=True)
             return code or 3
         print("[launcher] preempted: requeued the job; it resumes from the newest checkpoint", flush=True)
         raise SystemExit(-1)  # no result: the requeued job gives it
+
+
+def job_state(job_id: str) -> str | None:
+    """The job's state as Slurm has it now (its first component's), or None."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    for field in out.stdout.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML recipe")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides + ["launch.mode=slurm"])
+    try:
+        cfg = load_config(args.config, args.overrides + ["launch.mode=slurm"])
+    except ConfigError as exc:
+        print(f"darl (slurm task): {exc}", file=sys.stderr)
+        return 1
+    problems = preflight(cfg)
+    if problems:
+        print("darl (slurm task): cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
     task = TrainerTask(cfg)
     if SlurmTask.from_env().rank == 0:
         signal.signal(signal.SIGUSR2, lambda *_: _checkpoint_and_requeue(task))

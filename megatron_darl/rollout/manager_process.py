@@ -219,9 +219,9 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     urls = args.engine_url or list(cfg.rollout.engine_urls)
     if not urls:
         raise SystemExit("rollout manager: no engines: pass --engine-url (repeat) or set rollout.engine_urls")
-    return cfg, {"ring": args.ring, "notice": args.weight_notice, "status": args.status or args.weight_notice + ".status",
-                 "resume": args.resume, "urls": urls, "announced": None,
-                 "log_dir": os.path.join(cfg.train.run_dir, "logs")}
+    status = args.status or args.weight_notice + ".status"
+    return cfg, {"ring": args.ring, "notice": args.weight_notice, "status": status, "resume": args.resume,
+                 "urls": urls, "announced": None, "log_dir": os.path.join(cfg.train.run_dir, "logs")}
 
 
 async def _aengines(cfg: Any, where: dict[str, Any], args: argparse.Namespace) -> tuple[list, Any]:

@@ -56,8 +56,24 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def _replacement(run, announcement: Path, timeout_s: float) -> list[str] | None:
+    """The argv of the engine that replaced generation 0, once announced; None if the run ended first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        try:
+            ann = json.loads(announcement.read_text())
+            if ann["generation"] >= 1:
+                return _argv(ann["pid"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.2)
+    return None
+
+
 @pytest.mark.timeout(600)
 def test_engine_killed_mid_run_the_run_still_ends_with_its_evaluation(tmp_path, warm):
+    """Fails on the launcher before the engine hosts: exit 1, no summary.json (the evaluation
+    after training asked the dead engine's address)."""
     run = new_run(tmp_path, warm, "restart", staleness={"max_head_offpolicyness": 1}, train={"steps": 10},
                   eval={"num_problems": 16}, data={"eval_size": 32},
                   rollout={"max_concurrent_per_engine": 48})
@@ -70,25 +86,17 @@ def test_engine_killed_mid_run_the_run_still_ends_with_its_evaluation(tmp_path, 
         victim = role_pid(run.run_dir, "megatron_darl.rollout.engine_server")
         before = _argv(victim)
         os.kill(victim, signal.SIGKILL)
-
-        def restarted() -> bool:
-            ann = json.loads((engines / "engine0.json").read_text())
-            if ann["generation"] < 1 or not os.path.exists(f"/proc/{ann['pid']}"):
-                return False
-            restarted.argv = _argv(ann["pid"])
-            return True
-
-        run.wait_for(restarted, 200, "the engine's replacement")
-        after = restarted.argv
+        after = _replacement(run, engines / "engine0.json", 300)  # its argv, read while it runs
+        code = run.wait(400)
+        out = run.output()
+        assert code == 0, out[-4000:]  # the evaluation after training found the engine
+        summary = json.loads((Path(run.run_dir) / "summary.json").read_text())
+        assert "accuracy_after" in summary and summary["eval_problems"] == 16, summary
+        assert after is not None, "no replacement engine was announced"
         for flag in ("--model", "--max-batch", "--seed", "--threads"):  # the replacement is the same engine
             assert _flag(after, flag) == _flag(before, flag), (flag, before, after)
         assert _flag(after, "--max-batch") == "48"
         assert _flag(after, "--port") != _flag(before, "--port")
-        code = run.wait(400)
-        out = run.output()
-        assert code == 0, out[-4000:]
-        summary = json.loads((Path(run.run_dir) / "summary.json").read_text())
-        assert "accuracy_after" in summary and summary["eval_problems"] == 16, summary
         steps = [r["step"] for r in run.ledger()]
         assert steps == list(range(10))
         ids = [u for r in run.ledger() for u in r["prompt_ids"]]
@@ -151,11 +159,15 @@ class RejectingEngine:
         self._thread.join(10)
 
 
-@pytest.mark.timeout(400)
-def test_sigterm_while_learners_wait_for_data_checkpoints_and_stops(tmp_path, warm):
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_rank", "tp2"])
+def test_sigterm_while_learners_wait_for_data_checkpoints_and_stops(tmp_path, warm, ranks):
+    """With two ranks the second waits inside the batch broadcast while the first waits for data:
+    it must learn of the preemption there and take part in the checkpoint."""
     with RejectingEngine() as engine:
         run = new_run(tmp_path, warm, "starved", rollout={"backend": "sglang", "engine_urls": [engine.url]},
-                      train={"steps": 20}, checkpoint={"every_steps": 0})
+                      train={"steps": 20}, checkpoint={"every_steps": 0}, parallel={"tp": ranks},
+                      launch={"learner_procs_per_node": ranks})
         notice = Path(run.run_dir) / "rollout" / "notice.json"
         try:
             run.start()
