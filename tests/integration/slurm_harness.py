@@ -33,7 +33,7 @@ def cluster_problem() -> str | None:
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 30 s"
+        return "sinfo did not answer within 30 s (no Slurm controller reachable: SLURM_CONF?)"
     if out.returncode != 0:
         return f"no Slurm controller answers (sinfo: {out.stderr.strip()[:200]}); scripts/local_slurm.sh up"
     usable = {line.split()[0] for line in out.stdout.splitlines()
