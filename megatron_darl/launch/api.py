@@ -113,9 +113,9 @@ class Placement(Protocol):
 
     def start_learners(self, info: RunInfo) -> None: ...  # every learner rank (or releases the other nodes')
 
-    def wait_learners(self, timeout_s: float | None = None) -> None: ...  # watch every role; raise on failure
+    def wait_learners(self, timeout_s: float | None = None) -> bool: ...  # True: all exited 0; False: timeout
 
-    def check(self) -> None: ...  # raise if a role failed
+    def check(self) -> None: ...  # raise (local.ChildFailed) if a role failed; wait_learners checks too
 
     def preempt(self, signum: int) -> None: ...  # learners: checkpoint and stop
 
