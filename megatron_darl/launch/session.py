@@ -108,6 +108,9 @@ class RunSession:
         except Stopped as why:
             self.log(f"stopped: {why}")
             return 128 + why.signum
+        except Exception as exc:  # named here: a signal handler running during teardown may replace it
+            self.log(f"the run failed: {exc}")
+            raise
         finally:
             self.stopping = True  # a signal now must not interrupt the teardown
             self.placement.stop(self.info)

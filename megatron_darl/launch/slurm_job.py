@@ -10,9 +10,9 @@ other task waits for the session's run-info record and its go marker, then runs 
 rank. Each learner rank gets RANK/LOCAL_RANK/WORLD_SIZE from Slurm (SLURM_PROCID, SLURM_LOCALID,
 SLURM_NTASKS) and MASTER_ADDR/MASTER_PORT from the record (global rank 0's node, as Slurm
 addresses it). Preemption: SIGTERM (Slurm's preemption) and USR2 (`--signal`, before the time
-limit; submitit calls `checkpoint()`) make the learners checkpoint and stop, then the job
-requeues itself (submitit's requeue, at most `launch.max_requeue` times) and the requeued job
-resumes from the newest checkpoint.
+limit) make the learners checkpoint and stop; unless the run finished meanwhile or the job was
+cancelled, the job then requeues itself through submitit's checkpoint-and-requeue (at most
+`launch.max_requeue` times) and the requeued job resumes from the newest checkpoint.
 What it is not: the submission and the login-side view of the job (`slurm.py`).
 """
 
@@ -117,7 +117,6 @@ class TrainerTask(Checkpointable):
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self._session = None
 
     def __call__(self) -> int:
         task = SlurmTask.from_env()
@@ -130,14 +129,23 @@ class TrainerTask(Checkpointable):
         return self._run_session(cfg, task) if task.rank == 0 else self._run_rank(cfg, task)
 
     def _run_session(self, cfg: RunConfig, task: SlurmTask) -> int:
+        """Global rank 0. SIGTERM (preemption) and USR1/USR2 (the warning before the time limit)
+        only ask the learners to checkpoint and stop; whether to requeue is decided once the
+        session returned, so a run that finished meanwhile is not requeued (and not retrained)."""
         from megatron_darl.launch.session import RunSession
 
+        signalled = []
+
+        def on_signal(signum, frame):
+            signalled.append(signum)
+            session.preempt(signum, frame)
+
         with Supervisor(os.path.join(os.path.abspath(cfg.train.run_dir), "logs")) as sup:
-            session = self._session = RunSession(cfg, SlurmPlacement(cfg, sup, task))
-            for sig in (signal.SIGTERM, signal.SIGUSR1):  # USR2 stays submitit's: it calls checkpoint()
-                signal.signal(sig, session.preempt)
+            session = RunSession(cfg, SlurmPlacement(cfg, sup, task))
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):  # USR2 replaces submitit's own
+                signal.signal(sig, on_signal)
             code = session.run()
-        if session.preempted_at is not None and not session.completed:
+        if signalled and not session.completed:
             return self._requeue(task, code)
         return code
 
@@ -169,37 +177,33 @@ class TrainerTask(Checkpointable):
         return 0
 
     def checkpoint(self, *args, **kwargs) -> DelayedSubmission | None:
-        """submitit, on global rank 0, at USR2 (time limit near, or preemption): the learners
-        checkpoint and stop; the returned submission is what the requeued job runs."""
-        session = self._session
-        if session is not None and session.learners_started and not session.stopping:
-            session.preempt(signal.SIGUSR2)
-            try:
-                session.wait_learners()
-            except Exception as exc:  # they may have failed: requeueing resumes from the last checkpoint
-                print(f"[launcher] while the learners checkpointed: {exc}", flush=True)
-        if int(os.environ.get("SLURM_RESTART_COUNT", "0") or "0") >= self.cfg.launch.max_requeue:
-            print(f"[launcher] not requeued: launch.max_requeue={self.cfg.launch.max_requeue} reached; continue "
-                  f"with checkpoint.resume=auto", flush=True)
-            return None
-        print("[launcher] requeueing the job: it resumes from the newest checkpoint", flush=True)
+        """submitit's checkpoint hook, called by its requeue path (`_requeue`) once the learners
+        have checkpointed: what the requeued job runs (it resumes with checkpoint.resume=auto)."""
         return DelayedSubmission(TrainerTask(self.cfg))
 
     def _requeue(self, task: SlurmTask, code: int) -> int:
-        """After a SIGTERM stopped the learners early: requeue a job that is still running
-        (preempted, or signalled by its user), or say why not. A cancelled job (scancel sends the
-        same SIGTERM) stays cancelled: Slurm would requeue even that."""
+        """After a signal stopped the learners early: requeue a job that is still running
+        (preempted, near its time limit, or signalled by its user), or say why not. A cancelled
+        job (scancel sends the same SIGTERM) stays cancelled: Slurm would requeue even that."""
         state = job_state(task.job_id)
-        why = ("launch.max_requeue={} reached".format(self.cfg.launch.max_requeue)
-               if task.restarts >= self.cfg.launch.max_requeue else
-               None if state in ("RUNNING", "PREEMPTED") else f"the job is {state or 'gone'}")
-        if why is None:
-            out = subprocess.run(["scontrol", "requeue", task.job_id], capture_output=True, text=True, timeout=60)
-            why = None if out.returncode == 0 else (out.stderr.strip() or out.stdout.strip())
+        limit = self.cfg.launch.max_requeue
+        why = (f"launch.max_requeue={limit} reached" if task.restarts >= limit
+               else None if state in ("RUNNING", "PREEMPTED") else f"the job is {state or 'gone'}")
         if why is not None:
             print(f"[launcher] stopped early; not requeued ({why}): continue with checkpoint.resume=auto", flush=True)
             return code or 3
-        print("[launcher] preempted: requeued the job; it resumes from the newest checkpoint", flush=True)
+        print("[launcher] preempted: requeueing the job; it resumes from the newest checkpoint", flush=True)
+        if os.environ.get("SUBMITIT_FOLDER"):  # submitit's checkpoint-and-requeue, as its own USR2 handler does
+            from submitit.core.job_environment import JobEnvironment, SignalHandler
+            from submitit.core.utils import DelayedSubmission as Submitted
+
+            env = JobEnvironment()
+            SignalHandler(env, env.paths, Submitted.load(env.paths.submitted_pickle)).checkpoint_and_try_requeue(
+                signal.SIGUSR2)  # dumps checkpoint(), `scontrol requeue`, exits without a result
+        out = subprocess.run(["scontrol", "requeue", task.job_id], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            print(f"[launcher] requeue failed: {out.stderr.strip() or out.stdout.strip()}", flush=True)
+            return code or 3
         raise SystemExit(-1)  # no result: the requeued job gives it
 
 
@@ -228,19 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("darl (slurm task): cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    task = TrainerTask(cfg)
-    if SlurmTask.from_env().rank == 0:
-        signal.signal(signal.SIGUSR2, lambda *_: _checkpoint_and_requeue(task))
-    else:  # until its learner runs (then forwarded to it)
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    return int(task() or 0)
-
-
-def _checkpoint_and_requeue(task: TrainerTask) -> None:
-    """USR2 without submitit: what submitit's handler does."""
-    if task.checkpoint() is not None:
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], timeout=60, check=False)
-    raise SystemExit(-1)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):  # until the task's own handlers are in
+        signal.signal(sig, signal.SIG_IGN)
+    return int(TrainerTask(cfg)() or 0)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def _release_when_requeued(run, job: str, timeout_s: float) -> None:
 
 @pytest.mark.timeout(900)
 def test_preempted_job_requeues_and_resumes_from_its_checkpoint(tmp_path, warm_model):
-    steps = 8
+    steps = 20  # far more than are done when the signals come: the run must not finish first
     run = new_run(tmp_path, warm_model, "requeue", staleness={"max_head_offpolicyness": 1}, train={"steps": steps},
                   checkpoint={"every_steps": 0}, launch=HET)
     try:
@@ -146,7 +146,7 @@ def test_preempted_job_requeues_and_resumes_from_its_checkpoint(tmp_path, warm_m
         code = run.wait(700)
         out = run.output()
         assert code == 0, out[-5000:]
-        assert "requeu" in out and f"job {job} finished with exit code 0" in out, out[-5000:]
+        assert "requeueing the job" in out and f"job {job} finished with exit code 0" in out, out[-5000:]
         assert run.run_info()["attempt"] == f"{job}.1"  # the second attempt finished the run
     finally:
         run.kill()
