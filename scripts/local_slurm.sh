@@ -133,10 +133,10 @@ up() {
   if ! write_conf | cmp -s - "$CONF"; then  # new topology: restart what runs with the old one
     stop_slurm
     write_conf > "$CONF"
-    # stand-in device files: Slurm counts GPUs by their files; nothing ever opens them
-    mkdir -p "$HOME_DIR/dev" && touch "$HOME_DIR"/dev/gpu{0..7}
-    echo "NodeName=$(node_range) Name=gpu File=$HOME_DIR/dev/gpu[0-7]" > "$HOME_DIR/gres.conf"
   fi
+  # stand-in device files: Slurm counts GPUs by their files; nothing ever opens them
+  mkdir -p "$HOME_DIR/dev" && touch "$HOME_DIR"/dev/gpu{0..7}
+  echo "NodeName=$(node_range) Name=gpu File=$HOME_DIR/dev/gpu[0-7]" > "$HOME_DIR/gres.conf"
   alive "$PIDS/slurmctld.pid" || /usr/sbin/slurmctld -f "$CONF" -i  # -i: ignore state of an earlier cluster
   for i in $(seq "$NODES"); do
     mkdir -p "$HOME_DIR/spool/node$i"
