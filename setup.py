@@ -15,7 +15,7 @@ CPU_REQUIRES = [
     "transformers>=4.51",  # Qwen3 architecture
     "tokenizers",
     "safetensors",
-    "submitit",
+    "submitit>=1.5,<1.6",  # launch/slurm.py overrides its batch-script hook (_make_submission_file_text)
     "tensorboard",
     "omegaconf>=2.3",
     "pyyaml",

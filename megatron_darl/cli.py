@@ -65,15 +65,9 @@ def train_main(argv: list[str] | None = None) -> int:
     if problems:
         print("darl-train: cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    try:
-        from megatron_darl import train
-    except ModuleNotFoundError as exc:
-        if exc.name == "megatron_darl.train":
-            print("darl-train: the training loop is not part of this version yet; "
-                  "--print-config works", file=sys.stderr)
-            return EXIT_UNAVAILABLE
-        raise
-    return int(train.run(cfg) or 0)
+    from megatron_darl.launch.runner import run  # the placement switch: launch.mode=local | slurm
+
+    return int(run(cfg) or 0)
 
 
 def engine_main() -> int:
@@ -92,8 +86,9 @@ def eval_main() -> int:
     return _delegate("darl-eval", "megatron_darl.eval.cli")
 
 
-def launch_main() -> int:
-    return _delegate("darl-launch", "megatron_darl.launch.cli")
+def launch_main(argv: list[str] | None = None) -> int:
+    """`darl-launch`: the same command as `darl-train` (a name Slurm users look for)."""
+    return train_main(argv)
 
 
 def _entry(fn) -> None:  # pragma: no cover - thin wrapper for console scripts

@@ -1,41 +1,25 @@
-"""The asynchronous training loop (`darl-train`): read this file to know what a step does.
+"""The asynchronous training loop: read this file to know what a step does.
 
-What it is: `run(cfg)`, the `darl-train` entry (hands the run to the local or Slurm launcher),
-`learner_main()`, the entry of every learner rank, and `train_loop()`: wait for rollouts,
-recompute proximal log-probs, select (D-ARL) or take FIFO (baselines), train, publish the new
-weights, checkpoint, log. Generation runs concurrently in the rollout manager and engines; the
-staleness gate there bounds how far it runs ahead (`staleness.max_head_offpolicyness`, 0 =
-synchronous).
-What it is not: any of the machinery it calls (learner, replay, rollout, launch).
+What it is: `train_loop()`, what every learner rank runs: wait for rollouts, recompute proximal
+log-probs, select (D-ARL) or take FIFO (baselines), train, publish the new weights, checkpoint,
+log. Generation runs concurrently in the rollout manager and engines; the staleness gate there
+bounds how far it runs ahead (`staleness.max_head_offpolicyness`, 0 = synchronous). Run as a
+module (`python -m megatron_darl.train --run-info ...`) it is one learner rank: the launcher
+(`launch/`) starts it by that name, and `learner_side.py` builds what the loop works with.
+What it is not: any of the machinery it calls (learner, replay, rollout) or the placement of
+processes (`launch/`, which `darl-train` enters through `launch.runner.run`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import signal
 import time
-import warnings
 
 import numpy as np
 import torch
 
 from megatron_darl import algo
 from megatron_darl.batching import prepare_batch
-from megatron_darl.config import RunConfig, load_config
-
-
-def run(cfg: RunConfig) -> int:
-    """`darl-train`: launch learners, engines and the rollout manager for this config."""
-    if cfg.launch.mode == "slurm":
-        import sys
-
-        print("darl-train: launch.mode=slurm (submitit placement) is not part of this version; "
-              "run with launch.mode=local", file=sys.stderr)
-        return 2
-    from megatron_darl.launch.runner import run_local
-
-    return run_local(cfg)
+from megatron_darl.config import RunConfig
 
 
 def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry, start: int, alive,
@@ -79,49 +63,7 @@ def step_diagnostics(batch, step: int) -> dict:
     return out
 
 
-class _Preemption:
-    """SIGTERM / SIGUSR1 set a flag; the loop checkpoints and stops at the end of the step.
-    Ranks agree through an all-reduce, so they all stop at the same step."""
-
-    def __init__(self):
-        self.flag = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._set)
-
-    def _set(self, *_):
-        self.flag = True
-
-    def __call__(self) -> bool:
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-            t = torch.tensor([1.0 if self.flag else 0.0], device=dev)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            self.flag = bool(t.item())
-        return self.flag
-
-
-def learner_main(argv: list[str] | None = None) -> int:
-    """Entry of one learner rank (started by the launcher with torchrun-style env vars)."""
-    p = argparse.ArgumentParser(prog="megatron_darl.train")
-    p.add_argument("--config", required=True, help="the resolved config the launcher wrote")
-    p.add_argument("--run-info", required=True, help="JSON with ring name, notice/status paths, weights root")
-    args = p.parse_args(argv)
-    cfg = load_config(args.config)
-    if not torch.cuda.is_available():  # expected on CPU: Megatron's fallbacks are the CPU path
-        warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed")
-    with open(args.run_info, encoding="utf-8") as fh:
-        info = json.load(fh)
-    from megatron_darl.launch.runner import build_learner_side
-
-    side = build_learner_side(cfg, info)
-    try:
-        done = train_loop(cfg, side.learner, side.feed, side.publisher, side.checkpointer, side.telemetry,
-                          side.start_step, side.alive, side.preempted)
-        side.finish(done)
-    finally:
-        side.close()
-    return 0
-
-
 if __name__ == "__main__":
+    from megatron_darl.learner_side import learner_main
+
     raise SystemExit(learner_main())

@@ -60,13 +60,11 @@ def evaluate(cfg, urls: list[str]):
 
     from megatron_darl.eval.session import evaluate_with_engines
     from megatron_darl.launch.local import Supervisor
-    from megatron_darl.launch.session import LocalSession
+    from megatron_darl.launch.runner import start_local_engines
 
     with tempfile.TemporaryDirectory(prefix="darl-eval-") as logs, Supervisor(logs, echo=None) as sup:
-        session = LocalSession(cfg, sup)
         if not urls:
-            session.start_engines()  # health-checked embedded engine(s) on the model folder
-            urls = session.engine_urls
+            urls = start_local_engines(cfg, sup)  # health-checked embedded engine(s) on the model folder
         scores, line = evaluate_with_engines(cfg, urls, f"of {os.path.basename(cfg.model.hf_dir.rstrip('/'))}")
         print(line, file=sys.stderr)
         if scores is None:  # cannot happen for --data, which always names the evaluated split

@@ -6,7 +6,7 @@ output (`[engine0] ...` on the console, `<run_dir>/logs/engine0.log` on disk), w
 and on exit, Ctrl-C, SIGTERM or the failure of any one child stops every other child (SIGTERM,
 then SIGKILL after a grace period) and runs the registered cleanups (shared-memory unlink).
 A crashed child is reported by name and exit code (`ChildFailed`).
-What it is not: the training loop, or Slurm placement (`slurm.py`).
+What it is not: the training loop, or what runs where (`runner.py`, `slurm_job.py`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from typing import Callable, TextIO
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(ignore: tuple[signal.Signals, ...] = ()) -> None:  # in the child between fork and exec
     os.setsid()  # own process group: the supervisor kills the whole tree of a child
+    for sig in ignore:  # SIG_IGN survives exec: the child is safe from them until it installs handlers
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux/glibc: children then rely on the supervisor's teardown
@@ -81,12 +83,14 @@ class Supervisor:
         self._cleanups.append(fn)
 
     def start(self, role: str, argv: list[str], env: dict[str, str] | None = None,
-              essential: bool = True, critical: bool = True, cwd: str | None = None) -> Child:
+              essential: bool = True, critical: bool = True, cwd: str | None = None,
+              ignore: tuple[signal.Signals, ...] = ()) -> Child:
+        """Start `argv` as child `role`; `ignore`: signals it starts with ignored (SIG_IGN)."""
         log_path = os.path.join(self.log_dir, f"{role}.log")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=full_env, cwd=cwd, preexec_fn=_die_with_parent, text=True, errors="replace",
+            env=full_env, cwd=cwd, preexec_fn=lambda: _die_with_parent(ignore), text=True, errors="replace",
         )
         child = Child(role, proc, log_path, essential, critical)
         child._pump = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{role}")

@@ -1,155 +1,149 @@
-"""Wiring of one run on one machine: what the launcher starts, and what a learner rank holds.
+"""`darl-train`'s placement switch, and the placement of a run on this one machine.
 
-What it is: `run_local(cfg)` (the `darl-train` path for `launch.mode=local`): warm start,
-resolved config, embedded engines (health-checked), evaluation before training, the rollout
-manager, the learner ranks (torchrun-style environment, gloo on CPU), evaluation after, and a
-summary; all under a `Supervisor` that stops everything if any process fails and on exit.
-`build_learner_side(cfg, info)` assembles a learner rank's objects (learner, ring + replay
-feed on the main rank, publisher, checkpointer, telemetry).
-What it is not: the training loop (`train.py`) or Slurm placement (`slurm.py`).
+What it is: `run(cfg)`, what `darl-train` (and `darl-launch`) calls: `launch.mode=local` runs
+the session here (`run_local`), `launch.mode=slurm` submits it as a Slurm job
+(`slurm.run_slurm`). `LocalPlacement`: every role a child process of this one under a
+`Supervisor` (own process group, `[role]`-prefixed console output, `<run_dir>/logs/<role>.log`):
+an engine host for the embedded engines, the rollout manager, and `launch.learner_procs_per_node`
+learner ranks with a torchrun-style environment (gloo on CPU).
+What it is not: the session's steps (`session.py`), supervision itself (`local.py`), or
+anything a role does; the trainer is named only as a module to run (`TRAINER_MODULE`).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
+import signal
 import sys
-import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+import time
 
-from megatron_darl.config import RunConfig, save_resolved
-from megatron_darl.launch.local import Supervisor
+from megatron_darl.config import RunConfig
+from megatron_darl.launch.local import Child, ChildFailed, Supervisor
+from megatron_darl.run_info import RunInfo
 
 PY = sys.executable
+TRAINER_MODULE = "megatron_darl.train"  # one learner rank: python -m TRAINER_MODULE --run-info PATH
+MANAGER_MODULE = "megatron_darl.rollout.manager"
+ENGINE_HOST_MODULE = "megatron_darl.launch.engine_host"
 
 
-def run_paths(cfg: RunConfig, run_id: str) -> dict[str, Any]:
-    """Names and paths shared by the launcher, the manager and the learner ranks."""
-    run_dir = os.path.abspath(cfg.train.run_dir)
-    embedded = cfg.rollout.backend == "torch"
-    kind = cfg.rollout.weight_sync if cfg.rollout.weight_sync != "auto" else ("shm" if embedded else "disk")
-    weights_root = f"/dev/shm/darl-{run_id}-weights" if kind == "shm" else os.path.join(run_dir, "weights")
-    return {
-        "run_id": run_id,
-        "run_dir": run_dir,
-        "ring": cfg.replay.ring_name or f"darl-{run_id}-ring",
-        "notice": os.path.join(run_dir, "rollout", "notice.json"),
-        "status": os.path.join(run_dir, "rollout", "status.json"),
-        "weights_root": weights_root,
-        "weights_kind": kind,
-        "final_model": os.path.join(run_dir, "final_model"),
-    }
+def run(cfg: RunConfig) -> int:
+    """`darl-train`: run this config where `launch.mode` says; returns the exit code."""
+    if cfg.launch.mode == "slurm":
+        from megatron_darl.launch.slurm import run_slurm
+
+        return run_slurm(cfg)
+    return run_local(cfg)
 
 
-@dataclass
-class LearnerSide:
-    """Everything one learner rank holds during `train_loop`."""
+def learner_env(rank: int, world: int, addr: str, port: int, local_rank: int | None = None,
+                local_world: int | None = None, threads: int = 1) -> dict[str, str]:
+    """The torchrun-style environment of learner rank `rank`."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
+            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)}
 
-    learner: Any
-    feed: Any  # None off the main rank
-    publisher: Any
-    checkpointer: Any
-    telemetry: Any
-    start_step: int
-    alive: Callable[[], None]
-    preempted: Callable[[], bool]
-    info: dict[str, Any]
 
-    def finish(self, steps_done: int) -> None:
-        """Every rank, after the loop: export the final policy (collective), then the main rank
-        tells the rollout side to stop and records where things are."""
-        self.learner.export_hf(self.info["final_model"])
-        if not self.learner.is_main:
+class LocalPlacement:
+    """Every role on this machine, as children of this process."""
+
+    def __init__(self, cfg: RunConfig, sup: Supervisor):
+        self.cfg, self.sup = cfg, sup
+        self.attempt = ""  # the session's run id
+        self.learners: list[Child] = []
+
+    def rendezvous(self) -> tuple[str, int]:
+        from megatron_darl.launch.engine_host import free_port
+
+        return "127.0.0.1", free_port("127.0.0.1")
+
+    def start_engines(self, info: RunInfo) -> None:
+        if info.engine_urls:  # SGLang servers someone else runs
             return
-        self.publisher.notify(stop=True)
-        summary = {"steps_done": steps_done, "final_version": self.start_step + steps_done,
-                   "tensorboard": self.telemetry.tensorboard_dir}
-        with open(os.path.join(self.info["run_dir"], "learner_summary.json"), "w", encoding="utf-8") as fh:
-            json.dump(summary, fh)
+        if self.cfg.rollout.backend == "sglang":
+            raise ValueError("rollout.backend=sglang on a local run needs rollout.engine_urls "
+                             "(or launch.mode=slurm, which starts SGLang servers on the rollout nodes)")
+        # critical, not essential: it restarts engines itself and exits only when stopped
+        self.sup.start("engines", [PY, "-m", ENGINE_HOST_MODULE, "--run-info", info.path, "--attempt", info.attempt,
+                                   "--address", "127.0.0.1"], env={"OMP_NUM_THREADS": "1"}, essential=False)
 
-    def close(self) -> None:
-        self.telemetry.close()
-        if self.feed is not None:
-            self.feed.ring.close()
-            self.feed.ring.unlink()
-        self.learner.close()
+    def start_rollout(self, info: RunInfo) -> None:
+        # not essential: it exits 0 by itself when the learner says stop; a crash still stops the run
+        self.sup.start("rollout", [PY, "-m", MANAGER_MODULE, "--run-info", info.path],
+                       env={"OMP_NUM_THREADS": "1"}, essential=False)
 
+    def start_learners(self, info: RunInfo) -> None:
+        world = info.learner_world
+        self.learners = [self.sup.start(f"learner{r}", [PY, "-m", TRAINER_MODULE, "--run-info", info.path],
+                                        env=learner_env(r, world, info.master_addr, info.master_port))
+                         for r in range(world)]
 
-def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
-    """Construct a learner rank's objects; resumes from `info["resume"]` when set."""
-    from megatron_darl.learner.megatron_learner import MegatronLearner
-    from megatron_darl.publication import Publisher
-    from megatron_darl.replay.feed import ReplayFeed
-    from megatron_darl.replay.shm_ring import ShmRing
-    from megatron_darl.replay.store import ReplayStore
-    from megatron_darl.resume import RunCheckpointer
-    from megatron_darl.telemetry import Telemetry
-    from megatron_darl.train import _Preemption
+    def wait_learners(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if all(c.poll() == 0 for c in self.learners):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
 
-    preempted = _Preemption()
-    learner = MegatronLearner(cfg.model, cfg.parallel, cfg.optim, cfg.learner, cfg.algo,
-                              temperature=cfg.rollout.temperature, seed=cfg.train.seed, pmis=learner_pmis(cfg),
-                              balance_snapshots=cfg.replay.balance_snapshots, replay_k=cfg.replay.k)
-    if learner.is_main and learner.balance_mode is not None:
-        how = ("exact: the K previous versions' weights are kept on CPU" if learner.balance_mode == "exact" else
-               "interpolated log-linearly between b and p (an approximation)")
-        print(f"darl-train: replay.pmis_beta=balance, replay.balance_snapshots="
-              f"{cfg.replay.balance_snapshots} -> {learner.balance_mode} ({how})", flush=True)
-    feed = None
-    if learner.is_main:
-        ring = ShmRing.create(info["ring"], cfg.replay.ring_bytes, checksum=cfg.replay.effective_ring_checksum)
-        feed = ReplayFeed(ring, ReplayStore(cfg.replay, cfg.rollout.group_size), cfg.train.batch_prompts,
-                          cfg.staleness.max_head_offpolicyness)
-    publisher = Publisher(learner, info["weights_root"], info["notice"], info["status"], info["weights_kind"])
-    parent = os.getppid()
+    def check(self) -> None:
+        """A learner that finished is fine; any child that failed, or another essential one that
+        exited, stops the run."""
+        for c in self.sup.children:
+            code = c.poll()
+            if code is None or (c in self.learners and code == 0):
+                continue
+            if (code != 0 and c.critical) or c.essential:
+                raise ChildFailed(c.role, code)
 
-    def alive() -> None:
-        if os.getppid() != parent:
-            raise RuntimeError("the launcher is gone; stopping this learner rank")
+    def preempt(self, signum: int) -> None:
+        for c in self.learners:
+            if c.poll() is None:
+                os.kill(c.pid, signum)
 
-    ckpt = RunCheckpointer(learner, feed, publisher, cfg.checkpoint_dir, info["status"], cfg.rollout.group_size,
-                           cfg.checkpoint.keep_last, alive)
-    start = ckpt.resume(info.get("resume"))
-    publisher.publish(start)  # engines move to the policy being trained (v0, or the resumed one)
-    tele = Telemetry(cfg.train.run_dir, cfg.train.steps, start_step=start, tensorboard=cfg.logging.tensorboard,
-                     jsonl=cfg.logging.jsonl, progress=cfg.logging.progress, enabled=learner.is_main,
-                     histogram_every=cfg.logging.histogram_every)
-    return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info)
+    def stop(self, info: RunInfo | None) -> None:
+        self.sup.shutdown()  # engine host and engines included; then the cleanups below
+        if info is None:
+            return
+        from megatron_darl.replay.shm_ring import segment_path
 
-
-def learner_pmis(cfg: RunConfig) -> str:
-    """D-ARL's beta_k for the learner: `replay.pmis_beta`, or "tokens" (beta_k = N_k / N, one
-    collapsed token mean) when `replay.pmis` is false."""
-    return cfg.replay.pmis_beta if cfg.replay.pmis else "tokens"
+        path = segment_path(info.ring)
+        if os.path.exists(path):
+            os.unlink(path)
+        if info.weights_kind == "shm":
+            shutil.rmtree(info.weights_root, ignore_errors=True)
 
 
-def learner_env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+def start_local_engines(cfg: RunConfig, sup: Supervisor) -> list[str]:
+    """`rollout.num_engines` embedded engines on `cfg.model.hf_dir` as children of `sup`, once they
+    answer /health_generate (darl-eval's engines; a training run's come from its engine host)."""
+    from megatron_darl.launch.engine_host import free_port, wait_healthy
+    from megatron_darl.rollout.engine_command import engine_specs
 
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:10]
-
-
-def write_run_info(cfg: RunConfig, info: dict[str, Any]) -> tuple[str, str]:
-    """Save the resolved config and the run info where every child can read them. A notice or
-    status left by an earlier run in this folder is removed: its weights, `stop` and
-    `state_request` belong to processes that are gone, and a new manager must not act on them."""
-    for stale in (info["notice"], info["status"]):
-        if os.path.exists(stale):
-            os.unlink(stale)
-    cfg_path = save_resolved(cfg, info["run_dir"])
-    info_path = os.path.join(info["run_dir"], "run_info.json")
-    with open(info_path, "w", encoding="utf-8") as fh:
-        json.dump(info, fh, indent=1)
-    return cfg_path, info_path
+    started = []
+    for spec in engine_specs(cfg, list(range(cfg.rollout.num_engines))):
+        port = free_port("127.0.0.1")
+        child = sup.start(f"engine{spec.index}", spec.command("127.0.0.1", port), env=spec.env())
+        started.append((f"http://127.0.0.1:{port}", child))
+    for i, (url, child) in enumerate(started):
+        wait_healthy(url, child, cfg.launch.startup_timeout_s, cfg.rollout.api_key, f"engine {i}")
+    return [url for url, _ in started]
 
 
 def run_local(cfg: RunConfig) -> int:
     """`darl-train` on one machine; returns the exit code."""
-    from megatron_darl.launch.session import LocalSession
+    from megatron_darl.launch.session import PREEMPT_SIGNALS, RunSession
 
     with Supervisor(os.path.join(os.path.abspath(cfg.train.run_dir), "logs")) as sup:
-        return LocalSession(cfg, sup).run()
+        placement = LocalPlacement(cfg, sup)
+        session = RunSession(cfg, placement)
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, session.preempt)
+        try:
+            return session.run()
+        finally:
+            for sig in PREEMPT_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)

@@ -1,13 +1,18 @@
-"""One local run from start to summary, as the `darl-train` process sees it.
+"""One run from start to summary, whatever the placement: the run session.
 
-What it is: `LocalSession.run()`: (1) warm start (`builtin:tiny-qwen3` becomes a real model
-folder, SFT cached), (2) resolved config + run info written to the run folder, (3) embedded
-engines started and health-checked (or the SGLang URLs checked), (4) held-out accuracy of the
-starting policy, (5) rollout manager and learner ranks started, (6) wait for the learners while
-watching every child, (7) accuracy of the final policy on the same problems and a summary
-(paired gain with a 95% interval, where TensorBoard logs are). Preemption (SIGTERM/SIGUSR1)
-is forwarded to the learner ranks, which checkpoint and stop.
-What it is not: process supervision (`local.py`) or any role's own work.
+What it is: `RunSession(cfg, placement).run()`: (1) warm start (`builtin:tiny-qwen3` becomes a
+real model folder, SFT cached), (2) the resolved config and the run-info record written to the
+run folder (the checkpoint to resume, the attempt, the rendezvous), (3) engines started by the
+placement and found through their announcements (or `rollout.engine_urls`), health-checked,
+(4) held-out accuracy of the starting policy, (5) rollout manager and learner ranks started,
+(6) wait for the learners while the placement watches every role; a preemption (SIGTERM,
+SIGUSR1, SIGUSR2) is forwarded to the learners, which checkpoint and stop within
+`launch.stop_timeout_s`, (7) accuracy of the final policy on the same problems, with the
+engines' current addresses (a restarted engine has a new one), and a summary (paired gain
+with a 95% interval, where TensorBoard logs are). A finished training run never ends as a
+failure: an evaluation that fails after it is reported and left out of the summary.
+What it is not: where processes run (`Placement`: `runner.LocalPlacement`,
+`slurm_job.SlurmPlacement`) or any role's own work.
 """
 
 from __future__ import annotations
@@ -18,18 +23,24 @@ import os
 import re
 import shutil
 import signal
-import socket
 import time
-from contextlib import closing
+import uuid
 from typing import Any
 
-from megatron_darl.config import RunConfig
-from megatron_darl.launch.local import Supervisor
-from megatron_darl.launch.runner import PY, learner_env, new_run_id, run_paths, write_run_info
+from megatron_darl.config import RunConfig, save_resolved
+from megatron_darl.launch.api import Placement
+from megatron_darl.launch.engine_host import host_error_path, probe_path
 from megatron_darl.resume import load_rollout_state, resolve_resume, rollout_sidecar
-
+from megatron_darl.rollout.engine_command import read_announcements, stop_path
+from megatron_darl.rollout.weight_notice import read_json
+from megatron_darl.run_info import RunInfo, write_marker
 
 STALE_RUN = re.compile(r"^darl-([0-9a-f]{10})-(ring|weights)$")
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:10]
 
 
 def sweep_stale_runs(directory: str = "/dev/shm", min_age_s: float = 60.0) -> list[str]:
@@ -55,124 +66,167 @@ def sweep_stale_runs(directory: str = "/dev/shm", min_age_s: float = 60.0) -> li
     return removed
 
 
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def make_run_info(cfg: RunConfig, run_id: str, attempt: str, addr: str, port: int) -> RunInfo:
+    """The record of this attempt (paths only; nothing is written)."""
+    run_dir = os.path.abspath(cfg.train.run_dir)
+    lc, rc = cfg.launch, cfg.rollout
+    external = rc.backend == "sglang" and bool(rc.engine_urls)
+    kind = rc.weight_sync if rc.weight_sync != "auto" else (
+        "shm" if rc.backend == "torch" and not (lc.mode == "slurm" and lc.rollout_nodes) else "disk")
+    return RunInfo(
+        run_id=run_id, attempt=attempt, run_dir=run_dir, config=os.path.join(run_dir, "config.yaml"),
+        ring=cfg.replay.ring_name or f"darl-{run_id}-ring",
+        notice=os.path.join(run_dir, "rollout", "notice.json"), status=os.path.join(run_dir, "rollout", "status.json"),
+        weights_root=f"/dev/shm/darl-{run_id}-weights" if kind == "shm" else os.path.join(run_dir, "weights"),
+        weights_kind=kind, final_model=os.path.join(run_dir, "final_model"),
+        engines_dir=os.path.join(run_dir, "engines"), num_engines=0 if external else rc.num_engines,
+        engine_urls=list(rc.engine_urls) if external else [], learner_world=lc.learner_world,
+        master_addr=addr, master_port=port, learners_go=os.path.join(run_dir, "engines", "learners.go"))
 
 
-class LocalSession:
-    def __init__(self, cfg: RunConfig, sup: Supervisor):
-        self.cfg, self.sup = cfg, sup
-        self.engine_urls: list[str] = list(cfg.rollout.engine_urls)
-        self.engine_pids: list[int] = []
+class Stopped(Exception):
+    """A preemption signal before any learner rank started: nothing to checkpoint, stop now."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal.Signals(signum).name} before training started")
+        self.signum = signum
+
+
+class RunSession:
+    def __init__(self, cfg: RunConfig, placement: Placement):
+        self.cfg, self.placement = cfg, placement
+        self.info: RunInfo | None = None
+        self.preempted_at: float | None = None
+        self.learners_started = self.stopping = self.completed = False
 
     def log(self, msg: str) -> None:
         print(f"[launcher] {msg}", flush=True)
 
     def run(self) -> int:
+        try:
+            return self._run()
+        except Stopped as why:
+            self.log(f"stopped: {why}")
+            return 128 + why.signum
+        except Exception as exc:  # named here: a signal handler running during teardown may replace it
+            self.log(f"the run failed: {exc}")
+            raise
+        finally:
+            self.stopping = True  # a signal now must not interrupt the teardown
+            self.placement.stop(self.info)
+
+    def _run(self) -> int:
         from megatron_darl import warmstart
 
         for path in sweep_stale_runs():
             self.log(f"removed shared memory of a dead run: {path}")
         self.cfg = warmstart.prepare_model(self.cfg)
-        info = run_paths(self.cfg, new_run_id())
-        resume = resolve_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
-        info["resume"] = resume
-        info["rollout_state"] = rollout_sidecar(resume) if resume else None
-        load_rollout_state(resume)  # fails now, not in the manager, if the sidecar is missing
-        cfg_path, info_path = write_run_info(self.cfg, info)
-        self._cleanup_on_exit(info)
-        self.start_engines()
-        before = self._evaluate("before RL") if self._eval_enabled(resume) else None
-        self._start_manager(cfg_path, info)
-        learners = self._start_learners(cfg_path, info_path)
-        self._forward_preemption(learners)
-        for child in learners:
-            self.sup.wait(child)
-        completed = self._completed(info)
-        after = self._evaluate("after RL", final=info["final_model"]) if before is not None and completed else None
+        info = self.info = self.prepare()
+        self.placement.start_engines(info)
+        self.log(f"engines healthy: {', '.join(self.engine_urls(info))}")
+        before = self._evaluate("before RL") if self._eval_enabled(info.resume) else None
+        self.placement.start_rollout(info)
+        write_marker(info.learners_go, info.attempt)
+        self.learners_started = True
+        self.placement.start_learners(info)
+        self.wait_learners()
+        self.completed = self._completed(info)
+        after = None
+        if before is not None and self.completed:
+            after = self._evaluate("after RL", final=info.final_model)
         self._summary(info, before, after)
         return 0
 
     # ---- steps ----
-    def _cleanup_on_exit(self, info: dict[str, Any]) -> None:
-        from megatron_darl.replay.shm_ring import segment_path
+    def prepare(self) -> RunInfo:
+        """Resume point, resolved config and run-info record; stale files of earlier attempts go."""
+        addr, port = self.placement.rendezvous()
+        info = make_run_info(self.cfg, new_run_id(), "", addr, port)
+        info.attempt = self.placement.attempt or info.run_id
+        info.resume = resolve_resume(self.cfg.checkpoint.resume, self.cfg.checkpoint_dir)
+        info.rollout_state = rollout_sidecar(info.resume) if info.resume else None
+        load_rollout_state(info.resume)  # fails now, not in the manager, if the sidecar is missing
+        # a notice or status of an earlier run holds weights, `stop` and `state_request` of processes
+        # that are gone; announcements and markers belong to their attempt
+        for stale in (info.notice, info.status):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        shutil.rmtree(info.engines_dir, ignore_errors=True)
+        os.makedirs(info.engines_dir)
+        save_resolved(self.cfg, info.run_dir)
+        os.makedirs(info.weights_root, exist_ok=True)
+        write_marker(probe_path(info.weights_root), info.attempt)
+        info.save()
+        if info.resume:
+            self.log(f"resuming from {info.resume}")
+        return info
 
-        def cleanup() -> None:
-            path = segment_path(info["ring"])
-            if os.path.exists(path):
-                os.unlink(path)
-            if info["weights_kind"] == "shm":
-                shutil.rmtree(info["weights_root"], ignore_errors=True)
+    def engine_urls(self, info: RunInfo) -> list[str]:
+        """Every engine's current address, once all are announced and answer /health_generate
+        (a restarted engine announces a new address; it is read again until then)."""
+        deadline = time.monotonic() + self.cfg.launch.startup_timeout_s
+        while True:
+            self._raise_host_errors(info)
+            self.placement.check()
+            if info.engine_urls:
+                urls, missing = list(info.engine_urls), []
+            else:
+                anns = read_announcements(info.engines_dir, info.attempt, info.num_engines)
+                bad = [a.index for a in anns.values() if a.probe != info.attempt]
+                if bad:
+                    raise RuntimeError(f"engines {bad} did not read this run's weights folder {info.weights_root}")
+                urls = [anns[i].url for i in sorted(anns)]
+                missing = sorted(set(range(info.num_engines)) - set(anns))
+            sick = [] if missing else asyncio.run(self._unhealthy(urls))
+            if not missing and not sick:
+                return urls
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engines not ready within launch.startup_timeout_s={self.cfg.launch.startup_timeout_s:.0f} s: "
+                    f"{'not announced in ' + info.engines_dir + ': ' + str(missing) if missing else ''}"
+                    f"{'not healthy: ' + ', '.join(sick) if sick else ''}; see {info.log_dir}/engine*.log (on Slurm "
+                    f"the run folder must be on a file system the rollout nodes share)")
+            time.sleep(0.3)
 
-        self.sup.on_shutdown(cleanup)
+    def _raise_host_errors(self, info: RunInfo) -> None:
+        for node in range(max(1, self.cfg.launch.rollout_nodes)):
+            err = read_json(host_error_path(info.engines_dir, node))
+            if isinstance(err, dict) and err.get("attempt") == info.attempt:
+                raise RuntimeError(f"engine host {node}: {err.get('message')}")
 
-    def start_engines(self) -> None:
-        rc = self.cfg.rollout
-        if rc.backend == "sglang":
-            if not self.engine_urls:
-                raise ValueError("rollout.backend=sglang on a local run needs rollout.engine_urls")
-        else:
-            for i in range(rc.num_engines):
-                port = free_port()
-                argv = [PY, "-m", "megatron_darl.rollout.engine_server", "--model", self.cfg.model.hf_dir,
-                        "--host", "127.0.0.1", "--port", str(port), "--threads", str(rc.engine_threads),
-                        "--max-batch", str(rc.max_concurrent_per_engine), "--seed", str(self.cfg.train.seed + i)]
-                if rc.api_key:
-                    argv += ["--api-key", rc.api_key]
-                # not critical: the rollout manager detects a dead engine, requeues its work and restarts it
-                child = self.sup.start(f"engine{i}", argv, env={"OMP_NUM_THREADS": str(rc.engine_threads)},
-                                       essential=False, critical=False)
-                self.engine_urls.append(f"http://127.0.0.1:{port}")
-                self.engine_pids.append(child.pid)
-        asyncio.run(self._await_healthy(self.cfg.launch.startup_timeout_s))
-        self.log(f"engines healthy: {', '.join(self.engine_urls)}")
-
-    async def _await_healthy(self, timeout_s: float) -> None:
+    async def _unhealthy(self, urls: list[str]) -> list[str]:
         from megatron_darl.rollout.sglang_client import SGLangClient
 
-        deadline = time.monotonic() + timeout_s
-        for url in self.engine_urls:
+        sick = []
+        for url in urls:
             async with SGLangClient(url, api_key=self.cfg.rollout.api_key, timeout_s=5.0, max_retries=0) as c:
-                while not await c.ahealth():
-                    self.sup.check()
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"engine {url} not healthy within {timeout_s} s")
-                    await asyncio.sleep(0.2)
+                if not await c.ahealth():
+                    sick.append(url)
+        return sick
 
-    def _start_manager(self, cfg_path: str, info: dict[str, Any]) -> None:
-        argv = [PY, "-m", "megatron_darl.rollout.manager", "--config", cfg_path, "--ring", info["ring"],
-                "--weight-notice", info["notice"], "--status", info["status"]]
-        for url in self.engine_urls:
-            argv += ["--engine-url", url]
-        for pid in self.engine_pids:
-            argv += ["--engine-pid", str(pid)]
-        if info["rollout_state"]:
-            argv += ["--resume", info["rollout_state"]]
-        # not essential: it exits 0 by itself when the learner says stop; a crash still stops the run
-        self.sup.start("rollout", argv, env={"OMP_NUM_THREADS": "1"}, essential=False)
+    # ---- learners ----
+    def preempt(self, signum: int, _frame: Any = None) -> None:
+        """Signal handler: the learners checkpoint and stop (at once if they wait for data)."""
+        if self.stopping:
+            return
+        if not self.learners_started:
+            raise Stopped(signum)
+        if self.preempted_at is None:
+            self.preempted_at = time.monotonic()
+            self.log(f"received {signal.Signals(signum).name}: learners checkpoint and stop "
+                     f"(within launch.stop_timeout_s={self.cfg.launch.stop_timeout_s:.0f} s)")
+        self.placement.preempt(signum)
 
-    def _start_learners(self, cfg_path: str, info_path: str) -> list:
-        world = self.cfg.launch.learner_procs_per_node
-        port = free_port()
-        return [self.sup.start(f"learner{r}", [PY, "-m", "megatron_darl.train", "--config", cfg_path,
-                                               "--run-info", info_path], env=learner_env(r, world, port))
-                for r in range(world)]
+    def wait_learners(self) -> None:
+        """Until every learner rank exited; after a preemption, at most `launch.stop_timeout_s`."""
+        while not self.placement.wait_learners(timeout_s=0.5):
+            if self.preempted_at is not None and time.monotonic() - self.preempted_at > self.cfg.launch.stop_timeout_s:
+                raise TimeoutError(f"the learners did not checkpoint and stop within launch.stop_timeout_s="
+                                   f"{self.cfg.launch.stop_timeout_s:.0f} s of the preemption signal; stopped them")
 
-    def _forward_preemption(self, learners: list) -> None:
-        def forward(signum, _frame):
-            self.log(f"received {signal.Signals(signum).name}: learners checkpoint and stop")
-            for c in learners:
-                if c.poll() is None:
-                    os.kill(c.pid, signum)
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, forward)
-
-    def _completed(self, info: dict[str, Any]) -> bool:
+    def _completed(self, info: RunInfo) -> bool:
         """Whether the learners reached train.steps (not stopped early by preemption)."""
-        path = os.path.join(info["run_dir"], "learner_summary.json")
+        path = os.path.join(info.run_dir, "learner_summary.json")
         if not os.path.isfile(path):
             return False
         with open(path, encoding="utf-8") as fh:
@@ -181,32 +235,47 @@ class LocalSession:
             self.log("stopped before train.steps (preempted): resume with checkpoint.resume=auto")
         return done
 
-    # ---- evaluation ----
+    # ---- evaluation and summary ----
     def _eval_enabled(self, resume: str | None) -> bool:
         """Before/after evaluation of a fresh run (a resumed one has no 'before')."""
         return self.cfg.eval.num_problems > 0 and resume is None
 
     def _evaluate(self, label: str, final: str | None = None):
+        """Held-out accuracy on the engines' addresses now (a restarted engine moved)."""
         from megatron_darl.eval.session import evaluate_with_engines
 
-        scores, line = evaluate_with_engines(self.cfg, self.engine_urls, label, final_model=final)
+        try:
+            scores, line = evaluate_with_engines(self.cfg, self.engine_urls(self.info), label, final_model=final)
+        except Exception as exc:
+            if final is None:
+                raise  # before training: nothing has been done yet, fail now
+            self.log(f"evaluation {label} failed ({exc!r}); training finished: the policy is in {final} "
+                     f"(darl-eval --model {final} scores it)")
+            return None
         self.log(line)
         return scores
 
-    def _summary(self, info: dict[str, Any], before, after) -> None:
-        summary: dict[str, Any] = {"run_dir": info["run_dir"], "tensorboard": os.path.join(info["run_dir"], "tb"),
-                                   "metrics": os.path.join(info["run_dir"], "metrics.jsonl"),
-                                   "final_model": info["final_model"]}
+    def _summary(self, info: RunInfo, before, after) -> None:
+        summary: dict[str, Any] = {"run_dir": info.run_dir, "tensorboard": os.path.join(info.run_dir, "tb"),
+                                   "metrics": os.path.join(info.run_dir, "metrics.jsonl"),
+                                   "final_model": info.final_model}
         if before is not None and after is not None:
             from megatron_darl.eval.runner import paired_difference
 
             gain, lo, hi = paired_difference(before, after)
-            summary.update({"accuracy_before": float(before.scores.mean()), "accuracy_after": float(after.scores.mean()),
+            summary.update({"accuracy_before": float(before.scores.mean()),
+                            "accuracy_after": float(after.scores.mean()),
                             "gain": gain, "gain_ci95": [lo, hi], "eval_problems": len(before.uids)})
             self.log(f"held-out accuracy {100 * summary['accuracy_before']:.1f}% -> "
                      f"{100 * summary['accuracy_after']:.1f}%: gain {100 * gain:+.1f} points "
                      f"(95% CI {100 * lo:+.1f} to {100 * hi:+.1f}) on {len(before.uids)} problems")
-        with open(os.path.join(info["run_dir"], "summary.json"), "w", encoding="utf-8") as fh:
+        with open(os.path.join(info.run_dir, "summary.json"), "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=1)
         self.log(f"TensorBoard: tensorboard --logdir {summary['tensorboard']}")
-        self.log(f"summary: {os.path.join(info['run_dir'], 'summary.json')}")
+        self.log(f"summary: {os.path.join(info.run_dir, 'summary.json')}")
+
+
+def stop_engines(info: RunInfo | None) -> None:
+    """Tell every engine host of this attempt to stop (they also stop on SIGTERM)."""
+    if info is not None and os.path.isdir(info.engines_dir):
+        write_marker(stop_path(info.engines_dir), info.attempt)

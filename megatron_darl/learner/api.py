@@ -230,9 +230,13 @@ class AlgorithmConfig:
 
 @runtime_checkable
 class Learner(Protocol):
-    """What the train loop calls. Every rank of the learner job calls every method in the same
-    order (they are collective) and gets the same return values; `is_main` (global rank 0) is
-    the rank that owns incoming batches (`broadcast_batch`) and writes files."""
+    """Every call the train loop, the weight publisher and the run checkpointer make (a test
+    holds them to it). Every rank of the learner job calls every method in the same order (they
+    are collective) and gets the same return values; `is_main` (global rank 0) is the rank that
+    owns incoming batches (`broadcast_batch`) and writes files."""
+
+    pmis: str  # D-ARL's beta_k: replay.pmis_beta, or "tokens"
+    balance_mode: str | None  # pmis="balance": "exact" (version snapshots) | "interpolate"; else None
 
     @property
     def is_main(self) -> bool: ...
@@ -240,6 +244,8 @@ class Learner(Protocol):
     def broadcast_batch(self, batch: TrainBatch | None) -> TrainBatch: ...
 
     def compute_logprobs(self, batch: TrainBatch) -> np.ndarray: ...
+
+    def compute_version_logprobs(self, batch: TrainBatch, versions: list[int]) -> dict[int, np.ndarray]: ...
 
     def train_step(self, batch: TrainBatch, beta: dict[int, float] | None = None) -> dict[str, float]: ...
 

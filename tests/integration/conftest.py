@@ -2,6 +2,8 @@
 
 What it is: `warm_model`, a short supervised warm start (so that rewards vary within groups and
 losses are not identically zero), made once per session; each run copies it into its folder.
+The Slurm tests' `slurm_cluster` and `demo_dir` (from `slurm_harness.py`) are registered here so
+that every module shares one of each.
 What it is not: the run helpers (`e2e_harness.py`).
 """
 
@@ -12,6 +14,7 @@ import os
 import pytest
 
 from e2e_harness import SFT_STEPS, base_config, write_config
+from slurm_harness import demo_dir, slurm_cluster  # noqa: F401 (fixtures of the Slurm tests, one per session)
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,7 @@ def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
     from megatron_darl.batching import candidate_batch, choose_groups, take_groups
     from megatron_darl.data.sources import build_loader
     from megatron_darl.data.tokenizers import load_tokenizer
-    from megatron_darl.launch.runner import learner_pmis
+    from megatron_darl.learner_side import learner_pmis
     from megatron_darl.learner.megatron_learner import MegatronLearner
     from megatron_darl.replay.store import ReplayStore
     from megatron_darl.rollout.rewards.pool import RewardPool

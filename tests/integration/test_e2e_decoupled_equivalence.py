@@ -2,7 +2,7 @@
 and end to end through the training loop's data path.
 
 The D-ARL side is the CPU demo recipe with those overrides, as `darl-train` hands it to the
-learner (`launch.runner.learner_pmis`: `replay.pmis_beta` sets the learner's beta_k). Through
+learner (`learner_side.learner_pmis`: `replay.pmis_beta` sets the learner's beta_k). Through
 `MegatronLearner.train_step` (the learner's own loss dispatch, micro-batching and
 optimizer), the same batch and the same starting weights give the same `train/loss`, gradient
 norm and updated parameters for
@@ -47,7 +47,7 @@ def loss_configs() -> tuple[AlgorithmConfig, str, AlgorithmConfig]:
     """(D-ARL's loss config and beta_k rule as a run hands them to the learner, verl-style
     decoupled PPO with the same other settings)."""
     from megatron_darl.config import load_config
-    from megatron_darl.launch.runner import learner_pmis
+    from megatron_darl.learner_side import learner_pmis
 
     cfg = load_config(os.path.join(REPO, "configs", "cpu_demo_darl.yaml"), DARL_K1_TOKENS)
     darl, pmis = cfg.algo, learner_pmis(cfg)
@@ -143,7 +143,7 @@ def test_run_config_decides_the_learner_beta():
     """`replay.pmis_beta` / `replay.pmis` reach the learner's loss (balance included); an
     unknown beta_k rule is refused by name."""
     from megatron_darl.config import load_config
-    from megatron_darl.launch.runner import learner_pmis
+    from megatron_darl.learner_side import learner_pmis
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     demo = os.path.join(REPO, "configs", "cpu_demo_darl.yaml")

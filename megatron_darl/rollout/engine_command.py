@@ -1,0 +1,161 @@
+"""How an engine is started and how it says where it is: the one engine command builder, and
+the announcements engines are found by.
+
+What it is: `EngineSpec` (everything needed to start engine i: backend, model, threads or GPUs,
+batch size, seed, API key) with `command(host, port)` and `env()`, built from a run's config by
+`engine_specs(cfg, indices, gpus)`; the launcher's engine hosts and the manager's standalone
+restarter both start engines only through it, so a restarted engine gets exactly the flags its
+first start had. `EngineAnnouncement`: the small JSON an engine host writes to
+`<engines_dir>/engine<i>.json` once engine i answers /health_generate (URL, pid, node, a
+generation that grows with each restart); readers (the run session, the rollout manager) take
+the current address of every engine from there. A restart request
+(`<engines_dir>/engine<i>.restart`) asks the host of engine i to replace the generation named
+in it; `<engines_dir>/stop` (holding the attempt id) tells every host of that attempt to stop.
+What it is not: the process supervision (`launch/engine_host.py`) or the HTTP client.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatron_darl.rollout.weight_notice import read_json, write_json_atomic
+
+EMBEDDED_MODULE = "megatron_darl.rollout.engine_server"  # darl-engine
+SGLANG_MODULE = "sglang.launch_server"
+
+
+@dataclass
+class EngineSpec:
+    """Engine `index` of a run, as started on whatever port its host picks."""
+
+    index: int
+    backend: str  # "torch" (darl-engine) | "sglang"
+    model_dir: str
+    seed: int
+    max_batch: int  # darl-engine --max-batch / SGLang --max-running-requests
+    threads: int = 1  # darl-engine: torch threads (also OMP_NUM_THREADS)
+    api_key: str | None = None
+    tp: int = 1  # SGLang: GPUs per server (--tp-size)
+    gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES of this engine; [] on CPU
+    extra_args: list[str] = field(default_factory=list)  # more flags for the server (launch.engine_args)
+    python: str = sys.executable
+
+    def command(self, host: str, port: int) -> list[str]:
+        if self.backend == "sglang":
+            argv = [self.python, "-m", SGLANG_MODULE, "--model-path", self.model_dir, "--host", host,
+                    "--port", str(port), "--tp-size", str(self.tp), "--random-seed", str(self.seed),
+                    "--max-running-requests", str(self.max_batch), "--skip-tokenizer-init",
+                    "--weight-version", "0"]
+        else:
+            argv = [self.python, "-m", EMBEDDED_MODULE, "--model", self.model_dir, "--host", host,
+                    "--port", str(port), "--threads", str(self.threads), "--max-batch", str(self.max_batch),
+                    "--seed", str(self.seed)]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        out = {"OMP_NUM_THREADS": str(self.threads)}
+        if self.gpus:
+            out["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
+        return out
+
+
+def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
+                 python: str = sys.executable) -> list[EngineSpec]:
+    """The specs of engines `indices` of the run `cfg` (a RunConfig). On GPU nodes `gpus` are the
+    node's devices for engines; engine k of this node gets `launch.engine_gpus` of them."""
+    rc, per = cfg.rollout, max(1, cfg.launch.engine_gpus)
+    gpus = list(gpus or [])
+    specs = []
+    for k, index in enumerate(indices):
+        mine = gpus[k * per:(k + 1) * per] if gpus else []
+        if gpus and len(mine) < per:
+            raise ValueError(f"engine {index} needs launch.engine_gpus={per} GPUs; only {len(gpus)} on this node "
+                             f"for {len(indices)} engines")
+        specs.append(EngineSpec(index=index, backend=rc.backend, model_dir=cfg.model.hf_dir,
+                                seed=cfg.train.seed + index, max_batch=rc.max_concurrent_per_engine,
+                                threads=rc.engine_threads, api_key=rc.api_key, tp=per if mine else 1, gpus=mine,
+                                extra_args=list(cfg.launch.engine_args), python=python))
+    return specs
+
+
+# ---- announcements --------------------------------------------------------------------------
+
+@dataclass
+class EngineAnnouncement:
+    attempt: str  # the run attempt this engine serves
+    index: int
+    url: str
+    pid: int
+    node: str  # host name of the node it runs on
+    generation: int  # 0 at the first start, +1 per restart
+    log: str  # its log file
+    probe: str = ""  # the token the host read from the run's probe file (the weights folder is readable)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "EngineAnnouncement":
+        try:
+            return cls(attempt=str(d["attempt"]), index=int(d["index"]), url=str(d["url"]), pid=int(d["pid"]),
+                       node=str(d["node"]), generation=int(d["generation"]), log=str(d["log"]),
+                       probe=str(d.get("probe", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: bad engine announcement {d!r}: {exc}") from None
+
+
+def announcement_path(engines_dir: str, index: int) -> str:
+    return os.path.join(engines_dir, f"engine{index}.json")
+
+
+def restart_path(engines_dir: str, index: int) -> str:
+    return os.path.join(engines_dir, f"engine{index}.restart")
+
+
+def stop_path(engines_dir: str) -> str:
+    return os.path.join(engines_dir, "stop")
+
+
+def announce(engines_dir: str, ann: EngineAnnouncement) -> None:
+    write_json_atomic(announcement_path(engines_dir, ann.index), asdict(ann))
+
+
+def read_announcement(engines_dir: str, index: int, attempt: str) -> EngineAnnouncement | None:
+    """Engine `index`'s announcement of `attempt`, or None (absent, or left by another attempt)."""
+    path = announcement_path(engines_dir, index)
+    d = read_json(path)
+    if d is None:
+        return None
+    ann = EngineAnnouncement.from_json(d, path)
+    return ann if ann.attempt == attempt else None
+
+
+def read_announcements(engines_dir: str, attempt: str, count: int) -> dict[int, EngineAnnouncement]:
+    out = {}
+    for i in range(count):
+        ann = read_announcement(engines_dir, i, attempt)
+        if ann is not None:
+            out[i] = ann
+    return out
+
+
+def request_restart(engines_dir: str, index: int, attempt: str, generation: int) -> None:
+    """Ask engine `index`'s host to replace generation `generation` (a no-op if it already did)."""
+    write_json_atomic(restart_path(engines_dir, index), {"attempt": attempt, "generation": generation})
+
+
+def read_restart_request(engines_dir: str, index: int, attempt: str) -> int | None:
+    """The generation a restart was requested for, or None."""
+    path = restart_path(engines_dir, index)
+    try:
+        d = read_json(path)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or d.get("attempt") != attempt:
+        return None
+    try:
+        return int(d["generation"])
+    except (KeyError, TypeError, ValueError):
+        return None
