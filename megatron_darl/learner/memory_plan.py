@@ -92,7 +92,7 @@ class MemoryPlan:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             lines.append(f"  {'GPU memory (learner.gpu_memory_gib)':<34} {s.gpu_gib:8.2f} GiB   {verdict}")
         else:
-            lines.append("  CPU run (launch.gpus_per_node=0): not checked against a GPU")
+            lines.append("  CPU run (launch.trainer.gpus_per_node=0): not checked against a GPU")
         return "\n".join(lines)
 
     def refusal(self) -> str:
@@ -189,11 +189,11 @@ def plan_for(hf: dict[str, Any], s: Setting) -> MemoryPlan:
 
 
 def setting_of(cfg) -> Setting:
-    """Resolve a RunConfig into the plan's setting (GPU run: launch.gpus_per_node > 0)."""
+    """Resolve a RunConfig into the plan's setting (GPU run: launch.trainer.gpus_per_node > 0)."""
     from megatron_darl.learner.packing import round_up, sequence_multiple
     from megatron_darl.learner.preflight import learner_world
 
-    on_gpu = cfg.launch.gpus_per_node > 0
+    on_gpu = cfg.launch.trainer.gpus_per_node > 0
     par, model, lc = cfg.parallel, cfg.model, cfg.learner
     world, _ = learner_world(cfg)
     multiple = sequence_multiple(model.fp8, par.tp, par.sequence_parallel)

@@ -109,9 +109,9 @@ def spec_errors(cfg) -> list[str]:
     """Sequence parallel needs the Transformer Engine spec, which needs a GPU run."""
     if not cfg.parallel.sequence_parallel:
         return []
-    if cfg.model.spec == "local" or (cfg.model.spec == "auto" and cfg.launch.gpus_per_node == 0):
+    if cfg.model.spec == "local" or (cfg.model.spec == "auto" and cfg.launch.trainer.gpus_per_node == 0):
         return ["parallel.sequence_parallel=true needs the Transformer Engine spec (model.spec=te, or auto on "
-                "GPUs: launch.gpus_per_node > 0); megatron-core's local spec refuses sequence parallel"]
+                "GPUs: launch.trainer.gpus_per_node > 0); megatron-core's local spec refuses sequence parallel"]
     return []
 
 

@@ -216,7 +216,7 @@ def _schedule(vocab: int, steps: int, batch: int, group: int, seed: int = 5) -> 
 def _run_loop(hf_dir: str, overrides: list[str], steps: int = 4, batch: int = 3, group: int = 2):
     """train_loop with the real feed, store and learner; (telemetry, publisher, parameters)."""
     from megatron_darl.config import load_config
-    from megatron_darl.launch.runner import learner_pmis
+    from megatron_darl.learner_side import learner_pmis
     from megatron_darl.learner.megatron_learner import MegatronLearner
     from megatron_darl.replay.feed import ReplayFeed
     from megatron_darl.replay.store import ReplayStore
