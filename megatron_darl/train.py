@@ -39,7 +39,7 @@ def run(cfg: RunConfig) -> int:
 
 
 def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry, start: int, alive,
-               preempted) -> int:
+               preempted, evaluator=None) -> int:
     """Steps `start`..`train.steps`; returns the number of steps done. `feed` is None off the main rank."""
     step, main = start, learner.is_main
     needs_prox = cfg.algo.uses_proximal or cfg.replay.sg
@@ -69,6 +69,8 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
             checkpointer.save(step)                                             # 6. lossless checkpoint
         metrics.update({"perf/step_s": time.perf_counter() - t0, "perf/publish_s": publisher.last_publish_s,
                         "perf/wait_data_s": feed.wait_s if main else 0.0, "train/version": step})
+        if evaluator is not None:                                               # held-out accuracy (eval.every_steps)
+            metrics.update(evaluator.maybe_run(step, publisher))
         telemetry.log(step - 1, metrics)                                        # 7. log
         if preempted():
             break
@@ -129,7 +131,7 @@ def learner_main(argv: list[str] | None = None) -> int:
     side = build_learner_side(cfg, info)
     try:
         done = train_loop(cfg, side.learner, side.feed, side.publisher, side.checkpointer, side.telemetry,
-                          side.start_step, side.alive, side.preempted)
+                          side.start_step, side.alive, side.preempted, side.evaluator)
         side.finish(done)
     finally:
         side.close()

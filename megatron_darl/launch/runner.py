@@ -55,6 +55,7 @@ class LearnerSide:
     alive: Callable[[], None]
     preempted: Callable[[], bool]
     info: dict[str, Any]
+    evaluator: Any = None  # eval/periodic.py, main rank with eval.every_steps > 0
 
     def finish(self, steps_done: int) -> None:
         """Every rank, after the loop: export the final policy (collective), then the main rank
@@ -69,6 +70,8 @@ class LearnerSide:
             json.dump(summary, fh)
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.telemetry.close()
         if self.feed is not None:
             self.feed.ring.close()
@@ -114,7 +117,10 @@ def build_learner_side(cfg: RunConfig, info: dict[str, Any]) -> LearnerSide:
     tele = Telemetry(cfg.train.run_dir, cfg.train.steps, start_step=start, tensorboard=cfg.logging.tensorboard,
                      jsonl=cfg.logging.jsonl, progress=cfg.logging.progress, enabled=learner.is_main,
                      histogram_every=cfg.logging.histogram_every)
-    return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info)
+    from megatron_darl.eval.periodic import build_periodic_evaluator
+
+    evaluator = build_periodic_evaluator(cfg, learner.is_main)
+    return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info, evaluator)
 
 
 def learner_pmis(cfg: RunConfig) -> str:
