@@ -610,7 +610,8 @@ class RolloutManager:
         write_status(self._status_path, RolloutStatus(
             version=self._version, groups_written=c["groups_written"], groups_filtered=c["filtered_groups"],
             state_path=self._state_answered,
-            metrics={f"rollout/{k}": float(v) for k, v in c.items()},
+            metrics={**{f"rollout/{k}": float(v) for k, v in c.items()},
+                     "rollout/engine_busy_s": self._busy()},  # engine-seconds with requests in flight
         ))
 
     def _busy(self) -> float:
