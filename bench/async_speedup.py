@@ -9,15 +9,16 @@ for `--rounds` rounds. From each run's `metrics.jsonl`, over its steady state (s
 - wall: seconds of the measured steps; samples/s: samples generated in them (written to the ring
   plus the G samples of each group the equal-reward filter dropped; from the rollout manager's
   counters, which the learner reads at most a second old);
-- learner idle: share of the wall the learner waited for data (`perf/wait_data_s`);
+- learner idle: share of the wall the learner waited for data (`perf/wait_data_s`, plus
+  `perf/pace_s` if `--extra train.min_step_s=...` paces it);
 - engine idle: 1 - engine-seconds with requests in flight (`rollout/engine_busy_s`) / wall;
 - speedup(eta) = training steps/s at eta / steps/s synchronous (medians over rounds): the same
   work, B x G samples trained per step, in less time.
 
 The ideal speedup comes from the synchronous run's phase times, where generation and training
 do not overlap. Per step: T_gen = engine-seconds with requests in flight, T_train = the
-learner's busy time (`perf/step_s - perf/wait_data_s`: recompute, selection, optimizer steps,
-publication). Overlapping them perfectly would take max(T_gen, T_train) per step instead of
+learner's busy time (`perf/step_s - perf/wait_data_s - perf/pace_s`: recompute, selection,
+optimizer steps, publication). Overlapping them perfectly would take max(T_gen, T_train) per step instead of
 T_gen + T_train: ideal = (T_gen + T_train) / max(T_gen, T_train); efficiency = speedup / ideal.
 Prints a table and, last, one JSON line.
 What it is not: a learning comparison (scripts/compare_async.py); numbers depend on the machine
@@ -71,10 +72,10 @@ def phases(rows: list[dict], skip: int, group_size: int) -> dict:
     steady = rows[skip + 1:]
     wall = last["time"] - first["time"]
     samples = _samples(last, group_size) - _samples(first, group_size)
-    wait = sum(r.get("perf/wait_data_s", 0.0) for r in steady)
+    idle = [r.get("perf/wait_data_s", 0.0) + r.get("perf/pace_s", 0.0) for r in steady]  # waiting or paced
     out = {"wall_s": wall, "steps": len(steady), "steps_per_s": len(steady) / wall, "samples": samples,
-           "samples_per_s": samples / wall, "learner_idle": wait / wall,
-           "learner_busy_per_step_s": sum(r["perf/step_s"] - r.get("perf/wait_data_s", 0.0) for r in steady) / len(steady),
+           "samples_per_s": samples / wall, "learner_idle": sum(idle) / wall,
+           "learner_busy_per_step_s": sum(r["perf/step_s"] - i for r, i in zip(steady, idle)) / len(steady),
            "staleness_mean": statistics.fmean(r.get("algo/staleness/batch/mean", 0.0) for r in steady)}
     if "rollout/engine_busy_s" in last:
         busy = last["rollout/engine_busy_s"] - first["rollout/engine_busy_s"]

@@ -65,9 +65,12 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
                 metrics.setdefault(k, v)
         step += 1
         publisher.publish(step)                                                 # 5. version = step
+        pace_s = max(0.0, cfg.train.min_step_s - (time.perf_counter() - t0))  # train.min_step_s: a slower
+        time.sleep(pace_s)                                                      # learner, for staleness experiments
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 or preempted():
             checkpointer.save(step)                                             # 6. lossless checkpoint
         metrics.update({"perf/step_s": time.perf_counter() - t0, "perf/publish_s": publisher.last_publish_s,
+                        "perf/pace_s": pace_s,
                         "perf/wait_data_s": feed.wait_s if main else 0.0, "train/version": step})
         if evaluator is not None:                                               # held-out accuracy (eval.every_steps)
             metrics.update(evaluator.maybe_run(step, publisher))

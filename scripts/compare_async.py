@@ -35,11 +35,16 @@ from megatron_darl.experiment.analysis import collapsed  # noqa: E402
 from megatron_darl.experiment.report import build_report, markdown, plot_curves  # noqa: E402
 from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
 
-# Seconds per training step by method and per-run overhead (start-up, evaluation before and after,
-# export, teardown), measured on the 2-core machine; see README "Comparing the async baselines".
-STEP_S = {"sync": 1.6, "darl": 1.9, "darl_nosel": 1.9, "darl_nopmis": 1.9, "darl_k1": 1.9, "darl_k2": 1.9,
-          "darl_k4": 1.9, "darl_k8": 1.9, "*": 1.2}
-OVERHEAD_S = 25.0
+# The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
+# method at the default size (batch 32 x 8, paced to >= 1 s; synchronous steps add generation to
+# it, D-ARL's add the recompute over its candidates), one in-loop evaluation of 500 problems, and
+# the fixed cost of a run (start-up of the launcher, engine, manager and learner, evaluation before
+# and after, export, teardown). Every run records its own wall and CPU seconds in
+# runs/<name>/experiment_cost.json, to check these figures against.
+STEP_S = {"sync": 1.5, "darl": 1.2, "darl_nosel": 1.2, "darl_nopmis": 1.2, "darl_k1": 1.2, "darl_k2": 1.2,
+          "darl_k8": 1.2, "*": 1.0}
+EVAL_S = 1.5
+OVERHEAD_S = 30.0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -135,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tuning = P.tuning_specs(size)
     main_guess = P.main_specs(size, {m: size.grid()[0] for m in size.methods})
-    overlap = len(size.methods) * len(size.tune_seeds) if tuning else 0
-    total = len(tuning) + len(main_guess) - overlap
+    tuned_cells = {(t.method, t.eta, t.seed) for t in tuning}  # main runs the tuning phase already made
+    main_new = [m for m in main_guess if (m.method, m.eta, m.seed) not in tuned_cells]
+    total = len(tuning) + len(main_new)
+    budget = P.estimate_s([*tuning, *main_new], size, STEP_S, EVAL_S, OVERHEAD_S)
     n_abl = len({s.method for s in main_guess if s.method in size.ablations})
-    budget = P.estimate_s(tuning, size.steps, STEP_S, OVERHEAD_S) + \
-        P.estimate_s(main_guess[: len(main_guess) - overlap], size.steps, STEP_S, OVERHEAD_S)
     print(f"plan ({size.name}): {len(tuning)} tuning runs (grid {[g.label for g in size.grid()]} at eta {size.tune_eta}, "
           f"seeds {list(size.tune_seeds)}), {len(main_guess)} main runs ({len(size.methods)} methods x etas "
           f"{list(size.etas)} x {len(size.seeds)} seeds{', sync at eta 0 only' if 'sync' in size.methods else ''}, {n_abl} ablations at eta "

@@ -62,19 +62,23 @@ class Size:
         return errs
 
 
-# The demo recipe (configs/cpu_demo_darl.yaml) with a smaller batch, so that a run is short and
-# the curve has many points per generated sample.
-_SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=500")
+# The demo recipe (configs/cpu_demo_darl.yaml) with half its batch, so that a run is short and
+# its curve has many points per generated sample, and a paced learner: every step lasts at least
+# `train.min_step_s` (the learner sleeps the rest). Without pacing, generation is the slower side on
+# 2 shared cores and trained data stays about 1-2 versions old whatever eta allows (measured:
+# decoupled at eta = 4 and 8 averaged 1.9 and 2.1); a learner slower than generation lets the
+# engines run eta versions ahead, as a learner on its own (busy) hardware would.
+_SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=500", "train.min_step_s=1.0")
 
 SIZES: dict[str, Size] = {
     "quick": Size(
         name="quick", methods=("decoupled_areal", "darl"), ablations=(), etas=(1, 2),
         seeds=(0, 1), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=4, every=2,
         settings=("train.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40", "data.eval_size=40",
-                  "replay.warmup=0", "logging.tensorboard=true")),
+                  "replay.warmup=0", "logging.tensorboard=true", "train.min_step_s=0.5")),
     "default": Size(
         name="default", methods=tuple(MAIN_METHODS), ablations=tuple(ABLATIONS), etas=(1, 2, 4, 8),
-        seeds=(0, 1, 2), lr_grid=(2.5e-5, 5e-5, 1e-4), tune_eta=4, tune_seeds=(0,), steps=40, every=5,
+        seeds=(0, 1, 2), lr_grid=(2.5e-5, 5e-5, 1e-4), tune_eta=4, tune_seeds=(0,), steps=30, every=5,
         settings=_SETTINGS),
 }
 
@@ -140,7 +144,9 @@ def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
     return specs
 
 
-def estimate_s(specs: list[RunSpec], steps: int, step_s: dict[str, float], overhead_s: float) -> float:
-    """Seconds for `specs` from per-step times by method (`step_s`, "*" as the fallback) and a
-    fixed per-run overhead (start-up, evaluation before and after, export)."""
-    return sum(overhead_s + steps * step_s.get(s.method, step_s["*"]) for s in specs)
+def estimate_s(specs: list[RunSpec], size: Size, step_s: dict[str, float], eval_s: float, overhead_s: float) -> float:
+    """Seconds for `specs` from per-step times by method (`step_s`, "*" as the fallback), the
+    time of one in-loop evaluation and a fixed per-run overhead (start-up, evaluation before and
+    after, export, teardown)."""
+    evals = size.steps // size.every
+    return sum(overhead_s + evals * eval_s + size.steps * step_s.get(s.method, step_s["*"]) for s in specs)

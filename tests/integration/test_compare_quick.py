@@ -58,8 +58,10 @@ def test_quick_comparison_writes_tables_plots_and_json(tmp_path):
             assert fh.read(8) == PNG
     for name in runs:  # every run's curve has the warm start and each in-loop evaluation
         with open(os.path.join(out, "runs", name, "metrics.jsonl")) as fh:
-            evals = [json.loads(line) for line in fh if "eval/accuracy" in line]
-        assert [e["eval/version"] for e in evals] == [2.0, 4.0]
+            rows = [json.loads(line) for line in fh]
+        assert [r["eval/version"] for r in rows if "eval/accuracy" in r] == [2.0, 4.0]
+        # the quick size paces the learner (train.min_step_s=0.5): no step is shorter
+        assert all(r["perf/step_s"] >= 0.5 and r["perf/pace_s"] >= 0.0 for r in rows)
 
     again = _compare(out)
     assert again.returncode == 0, again.stdout[-3000:]

@@ -91,7 +91,8 @@ def test_a_run_logs_accuracy_every_n_steps(tmp_path, warm_model):
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["eval/version"] for r in evals] == [2.0, 4.0]
     assert [r["step"] for r in evals] == [1, 3]  # logged with the step whose update made that version
-    assert 0 < evals[0]["eval/samples_generated"] < evals[1]["eval/samples_generated"]
+    # the rollout manager's counters (its status is rewritten every second, so they may lag a step)
+    assert 0 < evals[0]["eval/samples_generated"] <= evals[1]["eval/samples_generated"]
     for r in evals:
         assert 0 <= r["eval/wall_s"] <= r["time"] - r["perf/eval_s"]
     import json
