@@ -136,6 +136,7 @@ def main() -> int:
         args.sizes, args.reps = [10, 50], 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
     from megatron_darl.learner.api import ParallelConfig
     from megatron_darl.learner.parallel import destroy_parallel, init_parallel
 

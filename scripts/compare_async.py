@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megatron_darl.experiment import plan as P  # noqa: E402
 from megatron_darl.experiment.analysis import collapsed  # noqa: E402
-from megatron_darl.experiment.report import build_report, markdown, plot_curves  # noqa: E402
+from megatron_darl.experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
 from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
 
 # The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
@@ -172,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
         fh.write(text)
     report["plots"] = plot_curves(results, size, args.out) if results else []
+    report = finite(report)  # intervals of a single seed are NaN: null in JSON
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
+        json.dump(report, fh, indent=1, allow_nan=False)
     print(text, flush=True)
-    print(json.dumps(report))
+    print(json.dumps(report, allow_nan=False))
     return 0 if not drv.failed else 1
 
 

@@ -15,7 +15,7 @@ import math
 import os
 
 from megatron_darl.experiment.analysis import COLLAPSE_DROP, THRESHOLD_FRAC, band, eta_figures
-from megatron_darl.experiment.api import METHODS, RunResult, Setting
+from megatron_darl.experiment.api import METHODS, RunResult, Setting, darl_window
 from megatron_darl.experiment.plan import Size
 
 AXES = {"steps": "training steps", "samples": "generated samples", "wall_s": "training wall-clock (s, eval excluded)"}
@@ -47,8 +47,19 @@ def build_report(results: list[RunResult], size: Size, best: dict[str, Setting],
     }
 
 
+def finite(obj):
+    """`obj` with every NaN or infinite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def _pct(v, ci=None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
     if ci is None or any(c is None or math.isnan(c) for c in ci):
         return f"{100 * v:.1f}"
@@ -87,7 +98,10 @@ def markdown(report: dict) -> str:
     for eta, fig in report["tables"].items():
         out += [f"## eta = {eta}", "", _caption(fig), "", *_table(fig, best), ""]
     if report["ablations"]["rows"] and len(report["ablations"]["rows"]) > 1:
-        out += [f"## D-ARL ablations (eta = {report['tune_eta']})", "", _caption(report["ablations"]), "",
+        k = darl_window(report["tune_eta"])
+        out += [f"## D-ARL ablations (eta = {report['tune_eta']})", "",
+                _caption(report["ablations"]) + f" D-ARL's own window here is K = {k}: its row is the K = {k} ablation.",
+                "",
                 *_table(report["ablations"], best), ""]
     if report["tuning_auc"]:
         out += [f"## Tuning (eta = {report['tune_eta']}, AUC %, higher is better)", "",
@@ -113,6 +127,7 @@ def plot_curves(results: list[RunResult], size: Size, out_dir: str) -> list[str]
     if size.ablations:
         panels.append((f"D-ARL ablations, eta = {size.tune_eta}", ["darl", *size.ablations], size.tune_eta))
     paths = []
+    colors = plt.get_cmap("tab20")
     for axis, xlabel in AXES.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=True)
         for ax, (title, methods, eta) in zip(axes[0], panels):
@@ -121,9 +136,11 @@ def plot_curves(results: list[RunResult], size: Size, out_dir: str) -> list[str]
                 if not runs:
                     continue
                 b = band([(getattr(r.curve, axis), r.curve.accuracy) for r in runs])
-                line, = ax.plot(b["x"], [100 * v for v in b["mean"]], label=METHODS[m].label, lw=1.5)
+                color = colors(list(METHODS).index(m))  # one colour per method in every panel
+                ax.plot(b["x"], [100 * v for v in b["mean"]], label=METHODS[m].label, lw=1.5, color=color,
+                        ls="--" if METHODS[m].ablation else "-")
                 ax.fill_between(b["x"], [100 * v for v in b["lo"]], [100 * v for v in b["hi"]],
-                                color=line.get_color(), alpha=0.15, lw=0)
+                                color=color, alpha=0.15, lw=0)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
