@@ -12,8 +12,9 @@ pool kept for the run, and returns the figures to log at that step:
 - `eval/samples_generated`: samples the rollout side has generated so far (written to the
   ring plus those of groups the equal-reward filter dropped), the x axis of sample efficiency;
   from the rollout manager's status, which it rewrites every second (so at most that old);
-- `eval/wall_s`: seconds since training started with every evaluation's own time taken out,
-  the x axis of wall-clock curves; `perf/eval_s` is this evaluation's time.
+- `eval/wall_s`: seconds since this process started training (a resumed run counts from its
+  resumption) with every evaluation's own time taken out, the x axis of wall-clock curves;
+  `perf/eval_s` is this evaluation's time.
 
 Why in the learner and not through the engines: the engines keep generating undisturbed (no
 pause, no weight swap for an evaluation) and the policy evaluated is exactly the one just
