@@ -130,3 +130,12 @@ def test_minibatches_are_tuned_with_the_rate_when_asked():
     best, _ = best_settings(size, runs)
     assert best["naive"] == Setting(1e-4, 1)
     assert {(s.lr, s.minibatches) for s in main_specs(size, best)} == {(1e-4, 1)}
+
+
+def test_the_pacing_setting_is_checked_and_the_default_size_paces():
+    from megatron_darl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.min_step_s"):
+        load_config("configs/cpu_demo_darl.yaml", ["train.min_step_s=-1"])
+    assert load_config("configs/cpu_demo_darl.yaml", []).train.min_step_s == 0.0  # off unless asked
+    assert "train.min_step_s=1.0" in SIZES["default"].settings

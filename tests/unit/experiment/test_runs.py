@@ -44,8 +44,9 @@ def test_a_complete_run_with_the_same_command_is_finished(tmp_path):
     run = str(tmp_path / "r")
     cmd = _write_run(run)
     assert finished(run, cmd, steps=4, eval_on=True)
-    other = command(SPEC, run, "configs/cpu_demo_darl.yaml", SPEC.overrides(6, 2))
-    assert not finished(run, other, steps=6, eval_on=True)  # other settings: redo
+    other = RunSpec(SPEC.method, SPEC.eta, 1e-4, SPEC.seed)
+    assert not finished(run, command(other, run, "configs/cpu_demo_darl.yaml", other.overrides(4, 2)), steps=4,
+                        eval_on=True)  # same folder, other settings (a changed grid): redo
 
 
 def test_half_finished_runs_are_not_finished(tmp_path):
