@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             drv.failed.append(f"{m}: no tuning run finished, so it has no learning rate and was not run")
     print("tuned: " + ", ".join(f"{m} {g.label}" for m, g in best.items()), flush=True)
     results = drv.run(P.main_specs(size, best))
-    report = build_report(results, size, best, scores)
+    report = build_report(results, size, best, scores, tuned)
     report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "out": os.path.abspath(args.out)})
     text = markdown(report)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:

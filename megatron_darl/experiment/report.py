@@ -1,11 +1,11 @@
 """The experiment's outputs: markdown tables, PNG plots of the curves, one JSON document.
 
-What it is: `build_report(results, size, best, tuning_scores)` -> the JSON-able figures of
-every table (per eta: the main methods with sync as the eta = 0 reference; the ablations at the
-tuning eta; the tuning grid), `markdown(report)` -> the tables as markdown, and
-`plot_curves(results, size, out_dir)`, which writes one PNG per x axis (training steps,
-generated samples, training wall-clock without evaluation time), one panel per eta, each method
-as its mean over seeds with a min-max band.
+What it is: `build_report(results, size, best, tuning_scores, tuning_results)` -> the JSON-able
+figures of every table (per eta: the main methods, with sync as the eta = 0 reference; the
+ablations at the tuning eta; the tuning grid) and every run's curve; `markdown(report)` -> the
+tables as markdown; and `plot_curves(results, size, out_dir)`, which writes one PNG per x axis
+(training steps, generated samples, training wall-clock without evaluation time), one panel per
+eta, each method as its mean over seeds with a min-max band.
 What it is not: running (`runs.py`) or the statistics themselves (`analysis.py`).
 """
 
@@ -21,8 +21,9 @@ from megatron_darl.experiment.plan import Size
 AXES = {"steps": "training steps", "samples": "generated samples", "wall_s": "training wall-clock (s, eval excluded)"}
 
 
-def build_report(results: list[RunResult], size: Size, best: dict[str, Setting], tuning_scores: dict) -> dict:
-    """Every figure of the tables, keyed by eta (as a string, for JSON)."""
+def build_report(results: list[RunResult], size: Size, best: dict[str, Setting], tuning_scores: dict,
+                 tuning_results: list[RunResult] = ()) -> dict:
+    """Every figure of the tables (keyed by eta, as a string, for JSON) and every run's curve."""
     sync = [r for r in results if r.spec.method == "sync"]
     tables = {}
     for eta in size.etas:
@@ -41,10 +42,18 @@ def build_report(results: list[RunResult], size: Size, best: dict[str, Setting],
         "tuning_auc": tuning_scores,
         "tables": tables, "ablations": ablations,
         "definitions": {"collapse_drop": COLLAPSE_DROP, "threshold_frac": THRESHOLD_FRAC},
-        "runs": [{"name": r.spec.name, "final_accuracy": r.final_accuracy, "staleness_mean": r.staleness_mean,
-                  "staleness_max": r.staleness_max, "ess_min": r.ess_min, "train_wall_s": r.train_wall_s,
-                  "samples_generated": r.samples_generated, "cost": r.run_cost} for r in results],
+        "runs": [_run_json(r) for r in results],
+        "tuning_runs": [_run_json(r) for r in tuning_results if r.spec.name not in {x.spec.name for x in results}],
     }
+
+
+def _run_json(r: RunResult) -> dict:
+    return {"name": r.spec.name, "method": r.spec.method, "eta": r.spec.eta, "lr": r.spec.lr,
+            "minibatches": r.spec.minibatches, "seed": r.spec.seed, "final_accuracy": r.final_accuracy,
+            "staleness_mean": r.staleness_mean, "staleness_max": r.staleness_max, "ess_min": r.ess_min,
+            "train_wall_s": r.train_wall_s, "samples_generated": r.samples_generated, "cost": r.run_cost,
+            "curve": {"steps": r.curve.steps, "samples": r.curve.samples, "wall_s": r.curve.wall_s,
+                      "accuracy": r.curve.accuracy}}
 
 
 def finite(obj):
