@@ -44,7 +44,7 @@ from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_re
 STEP_S = {"sync": 1.5, "darl": 1.2, "darl_nosel": 1.2, "darl_nopmis": 1.2, "darl_k1": 1.2, "darl_k2": 1.2,
           "darl_k8": 1.2, "*": 1.0}
 EVAL_S = 1.5
-OVERHEAD_S = 30.0
+OVERHEAD_S = 35.0
 
 
 def parser() -> argparse.ArgumentParser:
