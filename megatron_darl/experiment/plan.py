@@ -72,7 +72,7 @@ _SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=
 
 SIZES: dict[str, Size] = {
     "quick": Size(
-        name="quick", methods=("decoupled_areal", "darl"), ablations=(), etas=(1, 2),
+        name="quick", methods=("sync", "darl"), ablations=(), etas=(1, 2),
         seeds=(0, 1), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=4, every=2,
         settings=("train.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40", "data.eval_size=40",
                   "replay.warmup=0", "logging.tensorboard=false", "train.min_step_s=0.5")),
