@@ -25,7 +25,7 @@ What it is not: a learning comparison (scripts/compare_async.py); numbers depend
 and on whatever else runs on it (on 2 cores the engine, the rollout manager, the reward worker
 and the learner share them, so overlap cannot be perfect).
 
-    python3 bench/async_speedup.py [--rounds 3] [--steps 10] [--methods decoupled_areal darl] [--quick]
+    python3 bench/async_speedup.py [--rounds 3] [--steps 12] [--methods decoupled_areal darl] [--quick]
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def main() -> int:
     p.add_argument("--methods", nargs="+", default=["decoupled_areal", "darl"], choices=["decoupled_areal", "darl"])
     p.add_argument("--etas", nargs="+", type=int, default=[1, 2, 4], help="asynchronous bounds (0 is always run)")
     p.add_argument("--rounds", type=int, default=1, help="alternated rounds; medians over them (3 for the README)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--skip", type=int, default=2, help="first steps left out of the steady state")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--skip", type=int, default=5,
+                   help="first steps left out of the steady state (start-up; D-ARL's selection warmup is 5)")
     p.add_argument("--extra", nargs="*", default=[], help="overrides for every run")
     p.add_argument("--run-timeout", type=float, default=900.0)
     p.add_argument("--quick", action="store_true", help="decoupled only, eta 0 and 1, 6 steps")
