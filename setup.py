@@ -26,6 +26,7 @@ CPU_REQUIRES = [
     "aiohttp",  # embedded engine server and SGLang client
     "pyarrow",  # parquet prompt files
     "tqdm",
+    "matplotlib",  # scripts/compare_async.py: PNG plots of the learning curves
 ]
 
 setup(

@@ -47,9 +47,15 @@ class TrainConfig:
     seed: int = 1234
     run_dir: str = "runs/default"  # everything a run writes goes under it
     sft_steps: int = 0  # supervised warm start before RL (CPU demo); cached in run_dir
+    # each step lasts at least this long: the learner sleeps the rest after publishing. Emulates
+    # a learner on its own hardware that is slower than generation, so that on a small shared
+    # machine generation runs ahead and trained data reaches the staleness bound (experiments)
+    min_step_s: float = 0.0
 
     def check(self) -> list[tuple[str, str]]:
         errs = []
+        if self.min_step_s < 0:
+            errs.append(("min_step_s", "must be >= 0 (0: no pacing)"))
         if self.steps < 0:
             errs.append(("steps", "must be >= 0"))
         if self.batch_prompts < 1:

@@ -117,6 +117,7 @@ class LearnerSide:
     alive: Callable[[], None]  # raises when the launcher is gone
     preempted: Preemption
     info: RunInfo
+    evaluator: Any = None  # eval/periodic.py: held-out accuracy every eval.every_steps (main rank)
 
     def wait_alive(self) -> None:
         """What the main rank calls while it waits for rollouts: the launcher must live, and a
@@ -147,6 +148,8 @@ class LearnerSide:
             json.dump(summary, fh)
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.telemetry.close()
         if self.feed is not None:
             self.feed.ring.close()
@@ -199,7 +202,10 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     tele = Telemetry(cfg.train.run_dir, cfg.train.steps, start_step=start, tensorboard=cfg.logging.tensorboard,
                      jsonl=cfg.logging.jsonl, progress=cfg.logging.progress, enabled=learner.is_main,
                      histogram_every=cfg.logging.histogram_every)
-    return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info)
+    from megatron_darl.eval.periodic import build_periodic_evaluator
+
+    evaluator = build_periodic_evaluator(cfg, learner.is_main)
+    return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info, evaluator)
 
 
 def learner_main(argv: list[str] | None = None) -> int:
@@ -218,7 +224,7 @@ def learner_main(argv: list[str] | None = None) -> int:
     try:
         try:
             done = train_loop(cfg, side.learner, side.feed, side.publisher, side.checkpointer, side.telemetry,
-                              side.start_step, side.wait_alive, side.preempted)
+                              side.start_step, side.wait_alive, side.preempted, side.evaluator)
         except Preempted as stop:
             done = side.stop_at(stop.step)
         side.finish(done)

@@ -23,7 +23,7 @@ from megatron_darl.config import RunConfig
 
 
 def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry, start: int, alive,
-               preempted) -> int:
+               preempted, evaluator=None) -> int:
     """Steps `start`..`train.steps`; returns the number of steps done. `feed` is None off the main rank."""
     step, main = start, learner.is_main
     while step < cfg.train.steps:
@@ -41,10 +41,15 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         step += 1
         # 4. version = step; the gate credits the groups used up and plans for the next steps' new groups
         publisher.publish(step, **(dict(consumed=feed.store.consumed, new_groups=new_groups) if main else {}))
+        pace_s = max(0.0, cfg.train.min_step_s - (time.perf_counter() - t0))  # train.min_step_s: a slower
+        time.sleep(pace_s)                                                      # learner, for staleness experiments
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 or preempted():
             checkpointer.save(step)                                             # 5. lossless checkpoint
         metrics.update({"perf/step_s": time.perf_counter() - t0, "perf/publish_s": publisher.last_publish_s,
+                        "perf/pace_s": pace_s,
                         "perf/wait_data_s": feed.wait_s if main else 0.0, "train/version": step})
+        if evaluator is not None:                                               # held-out accuracy (eval.every_steps)
+            metrics.update(evaluator.maybe_run(step, publisher))
         telemetry.log(step - 1, metrics)                                        # 6. log
         if preempted():
             break

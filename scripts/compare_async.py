@@ -1,86 +1,183 @@
-"""Run the comparison suite of ALGORITHM.md on the CPU demo and print one table.
+"""The comparison experiment of docs/ALGORITHM.md on the CPU demo: curves, tables, plots, JSON.
 
-What it is: a driver over `darl-train`: the same warm-started model (the demo's cached SFT
-folder is made once and copied into every run), the same data, seeds and replay window, and
-one run per method -- sync (eta = 0), naive async, decoupled (AReaL cap and verl IS), D-ARL --
-optionally crossed with learning rates and `algo.ppo_n_minibatches`. Each run's held-out gain
-(paired, 95% interval) comes from its `summary.json`; the last printed line is one JSON object.
-What it is not: a benchmark of speed, or a claim: it prints what it measures, whichever wins.
+What it is: the one entry point of the comparison. From one shared warm start (made once, copied
+into every run) it runs sync, naive async, decoupled PPO (AReaL cap 5, verl token IS 2), D-ARL
+and D-ARL's ablations (no selection, no per-version objective, K = 1/2/4/8) at staleness bounds
+eta, several seeds each, every method at its own best learning rate from the same grid (tuned at
+one eta first; see megatron_darl/experiment/plan.py). Each run evaluates held-out accuracy inside
+its loop every `eval.every_steps` steps, so it yields a curve against steps, generated samples and
+wall-clock. Writes into `--out`: `results.md` (a table per eta: final accuracy with its interval
+across seeds, AUC, samples to reach 80% of the best decoupled accuracy, collapses, minimum ESS, the
+staleness actually reached, wall time), `curves_{steps,samples,wall_s}.png` (one panel per eta,
+mean and min-max band over seeds), `results.json`; prints the tables, and last one JSON object.
+Rerunning skips finished runs (a half-finished one is redone), so an interrupted experiment
+continues where it stopped.
+What it is not: a benchmark of speed (bench/async_speedup.py) or a verdict: it prints what it
+measures, whichever method wins.
 
-    python scripts/compare_async.py --steps 120 --lr 5e-5 1e-4 --minibatches 1 2
+    python scripts/compare_async.py --quick --out /tmp/cmp        # CI: a few minutes
+    python scripts/compare_async.py --out runs/compare            # the comparison (~90 min, 2 cores)
+    python scripts/compare_async.py --plan                        # runs and time budget, then exit
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 
-METHODS = {
-    "sync": ["staleness.max_head_offpolicyness=0", "replay.enable=false", "replay.sg=false", "replay.pmis=false",
-             "algo.policy_loss=ppo", "algo.old_logprob=proximal"],
-    "naive": ["replay.enable=false", "replay.sg=false", "replay.pmis=false", "algo.policy_loss=ppo",
-              "algo.old_logprob=behavior", "algo.recompute_proximal=false"],
-    "decoupled_areal": ["replay.enable=false", "replay.sg=false", "replay.pmis=false",
-                        "algo.policy_loss=decoupled", "algo.behav_weight_cap=5.0"],
-    "decoupled_verl": ["replay.enable=false", "replay.sg=false", "replay.pmis=false", "algo.policy_loss=ppo",
-                       "algo.old_logprob=proximal", "algo.rollout_is=token", "algo.rollout_is_threshold=2.0"],
-    "darl": ["algo.policy_loss=darl", "replay.enable=true", "replay.sg=true", "replay.pmis=true"],
-}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
+
+from megatron_darl.experiment import plan as P  # noqa: E402
+from megatron_darl.experiment.analysis import collapsed  # noqa: E402
+from megatron_darl.experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
+from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
+
+# The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
+# method at the default size (batch 32 x 8, paced to >= 1 s; synchronous steps add generation to
+# it, D-ARL's add the recompute over its candidates), one in-loop evaluation of 500 problems, and
+# the fixed cost of a run (start-up of the launcher, engine, manager and learner, evaluation before
+# and after, export, teardown). Every run records its own wall and CPU seconds in
+# runs/<name>/experiment_cost.json, to check these figures against.
+STEP_S = {"sync": 1.5, "darl": 1.2, "darl_nosel": 1.2, "darl_nopmis": 1.2, "darl_k1": 1.2, "darl_k2": 1.2,
+          "darl_k8": 1.2, "*": 1.0}
+EVAL_S = 1.5
+OVERHEAD_S = 35.0
 
 
-def run_one(out_root: str, name: str, overrides: list[str], model_dir: str, config: str) -> dict:
-    run_dir = os.path.join(out_root, name)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    shutil.copytree(model_dir, os.path.join(run_dir, "model"))  # same warm start, cache hit
-    cmd = [sys.executable, "-m", "megatron_darl", "train", "--config", config, f"train.run_dir={run_dir}",
-           "checkpoint.every_steps=0", "logging.progress=false", *overrides]
-    t0 = time.time()
-    with open(os.path.join(out_root, f"{name}.log"), "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-    row = {"run": name, "rc": rc, "wall_s": round(time.time() - t0, 1)}
-    summary = os.path.join(run_dir, "summary.json")
-    if rc == 0 and os.path.isfile(summary):
-        with open(summary) as fh:
-            s = json.load(fh)
-        row.update({k: s[k] for k in ("accuracy_before", "accuracy_after", "gain", "gain_ci95") if k in s})
-    return row
-
-
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/cpu_demo_darl.yaml")
-    p.add_argument("--out", default="runs/compare")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--lr", nargs="+", type=float, default=[5e-5])
-    p.add_argument("--minibatches", nargs="+", type=int, default=[2])
-    p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every run")
-    args = p.parse_args()
+    p.add_argument("--config", default="configs/cpu_demo_darl.yaml", help="base recipe of every run")
+    p.add_argument("--out", default="runs/compare", help="experiment folder (runs, logs, tables, plots)")
+    p.add_argument("--size", choices=list(P.SIZES), default="default")
+    p.add_argument("--quick", action="store_const", const="quick", dest="size", help="same as --size quick")
+    p.add_argument("--methods", nargs="+", help="main methods (default: the size's)")
+    p.add_argument("--ablations", nargs="*", help="D-ARL ablations, at the tuning eta (default: the size's)")
+    p.add_argument("--etas", nargs="+", type=int)
+    p.add_argument("--seeds", nargs="+", type=int)
+    p.add_argument("--lr-grid", nargs="+", type=float, dest="lr_grid", help="learning rates tuned per method")
+    p.add_argument("--mb-grid", nargs="+", type=int, dest="mb_grid",
+                   help="algo.ppo_n_minibatches values tuned with the rate (default: the recipe's, not tuned)")
+    p.add_argument("--tune-eta", type=int, dest="tune_eta")
+    p.add_argument("--tune-seeds", nargs="+", type=int, dest="tune_seeds")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--every", type=int, help="eval.every_steps")
+    p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every run, after the size's")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run counts as failed")
+    p.add_argument("--plan", action="store_true", help="print the runs and the time budget, then exit")
+    return p
+
+
+def _size(args) -> P.Size:
+    size = P.with_overrides(P.SIZES[args.size], methods=args.methods, ablations=args.ablations, etas=args.etas,
+                            seeds=args.seeds, lr_grid=args.lr_grid, mb_grid=args.mb_grid, tune_eta=args.tune_eta,
+                            tune_seeds=args.tune_seeds, steps=args.steps, every=args.every)
+    if args.tune_eta is None and size.tune_eta not in size.etas:
+        size = P.with_overrides(size, tune_eta=size.etas[0])
+    if args.tune_seeds is None and not set(size.tune_seeds) <= set(size.seeds):
+        size = P.with_overrides(size, tune_seeds=size.seeds[:1])
+    return size
+
+
+def _preflight(args, size: P.Size, specs) -> str | None:
+    """Load the resolved config of every distinct method's first run now, so that a bad
+    override (a typo in --extra, evaluation switched off) stops the experiment before it starts."""
+    from megatron_darl.config import ConfigError, load_config
+
+    for spec in {s.method: s for s in reversed(specs)}.values():
+        try:
+            load_config(args.config, [*spec.overrides(size.steps, size.every), *size.settings, *args.extra])
+        except (ConfigError, ValueError, FileNotFoundError) as exc:
+            return f"{spec.name}: {exc}"
+    return None
+
+
+class Driver:
+    """Runs specs in order, with a progress line per run and an estimate of what is left."""
+
+    def __init__(self, args, size: P.Size, total: int):
+        self.args, self.size, self.total = args, size, total
+        self.done, self.failed, self.spent = 0, [], 0.0
+        self.seen: dict[str, object] = {}  # results of this session by run name (tuning runs reused)
+        self.warm = prepare_warm_start(args.out, args.config, [*size.settings, *args.extra])
+
+    def run(self, specs) -> list:
+        results = []
+        for spec in specs:
+            if spec.name in self.seen:
+                results.append(self.seen[spec.name])
+                continue
+            over = spec.overrides(self.size.steps, self.size.every) + list(self.size.settings) + list(self.args.extra)
+            self.done += 1
+            head = f"[{self.done}/{self.total}] {spec.name:34s}"
+            try:
+                run_dir, reused, secs = run_or_reuse(spec, self.args.out, self.args.config, self.warm, over,
+                                                     self.size.steps, True, self.args.run_timeout)
+                r = read_result(spec, run_dir)
+            except RunFailed as exc:
+                self.failed.append(str(exc))
+                print(f"{head} failed: {exc}", flush=True)
+                continue
+            self.spent += secs
+            self.seen[spec.name] = r
+            results.append(r)
+            stale = "-" if r.staleness_mean is None else f"{r.staleness_mean:.2f}/{r.staleness_max:.0f}"
+            left = self.spent / max(1, self.done) * (self.total - self.done)
+            print(f"{head} {'reused' if reused else f'{secs:.0f} s'}: accuracy {100 * r.curve.accuracy[0]:.1f}% -> "
+                  f"{100 * r.final_accuracy:.1f}%{' (collapsed)' if collapsed(r) else ''}, staleness mean/max "
+                  f"{stale}; about {left / 60:.0f} min left", flush=True)
+        return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    size = _size(args)
+    errs = size.check()
+    if errs:
+        print("compare_async: " + "; ".join(errs), file=sys.stderr)
+        return 2
+    tuning = P.tuning_specs(size)
+    main_guess = P.main_specs(size, {m: size.grid()[0] for m in size.methods})
+    tuned_cells = {(t.method, t.eta, t.seed) for t in tuning}  # main runs the tuning phase already made
+    main_new = [m for m in main_guess if (m.method, m.eta, m.seed) not in tuned_cells]
+    total = len(tuning) + len(main_new)
+    budget = P.estimate_s([*tuning, *main_new], size, STEP_S, EVAL_S, OVERHEAD_S)
+    n_abl = len({s.method for s in main_guess if s.method in size.ablations})
+    print(f"plan ({size.name}): {len(tuning)} tuning runs (grid {[g.label for g in size.grid()]} at eta {size.tune_eta}, "
+          f"seeds {list(size.tune_seeds)}), {len(main_guess)} main runs ({len(size.methods)} methods x etas "
+          f"{list(size.etas)} x {len(size.seeds)} seeds{', sync at eta 0 only' if 'sync' in size.methods else ''}, {n_abl} ablations at eta "
+          f"{size.tune_eta}), {total} distinct runs of {size.steps} steps; estimated {budget / 60:.0f} min on a "
+          f"quiet 2-core machine", flush=True)
+    if args.plan:
+        return 0
+    bad = _preflight(args, size, [*tuning, *main_guess])
+    if bad:
+        print(f"compare_async: {bad}", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
-    warm = os.path.join(args.out, "_warm")
-    if not os.path.isfile(os.path.join(warm, "model", "warmstart.json")):  # make the SFT model once
-        subprocess.run([sys.executable, "-c", "import sys; from megatron_darl.config import load_config;"
-                        "from megatron_darl.warmstart import prepare_model;"
-                        f"prepare_model(load_config({args.config!r}, ['train.run_dir={warm}']))"], check=True)
-    rows = []
-    for method, lr, mb in itertools.product(args.methods, args.lr, args.minibatches):
-        name = f"{method}_lr{lr:g}_mb{mb}"
-        over = METHODS[method] + [f"train.steps={args.steps}", f"optim.lr={lr}", f"algo.ppo_n_minibatches={mb}",
-                                  *args.extra]
-        row = run_one(args.out, name, over, os.path.join(warm, "model"), args.config)
-        rows.append(row)
-        gain = f"{100 * row['gain']:+.1f} [{100 * row['gain_ci95'][0]:+.1f}, {100 * row['gain_ci95'][1]:+.1f}]" \
-            if "gain" in row else f"failed (rc={row['rc']}, see {args.out}/{name}.log)"
-        print(f"{name:32s} {gain}  ({row['wall_s']} s)", flush=True)
-    print(json.dumps({"steps": args.steps, "runs": rows}))
-    return 0 if all(r["rc"] == 0 for r in rows) else 1
+    t0 = time.time()
+    drv = Driver(args, size, total)
+    tuned = drv.run(tuning)
+    best, scores = P.best_settings(size, tuned)
+    for m in size.methods:
+        if m not in best:
+            drv.failed.append(f"{m}: no tuning run finished, so it has no learning rate and was not run")
+    print("tuned: " + ", ".join(f"{m} {g.label}" for m, g in best.items()), flush=True)
+    results = drv.run(P.main_specs(size, best))
+    report = build_report(results, size, best, scores, tuned)
+    report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "out": os.path.abspath(args.out)})
+    text = markdown(report)
+    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    report["plots"] = plot_curves(results, size, args.out) if results else []
+    report = finite(report)  # intervals of a single seed are NaN: null in JSON
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, allow_nan=False)
+    print(text, flush=True)
+    print(json.dumps(report, allow_nan=False))
+    return 0 if not drv.failed else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Eval role: benchmark evaluation config and result types.
 
-What it is: `EvalConfig` (which benchmark files, how many samples per problem, which metric)
-and the `EvalResult` record that evaluation produces.
+What it is: `EvalConfig` (how many held-out problems, samples per problem, sampling, how often
+during training) and the `EvalResult` record that evaluation produces.
 What it is not: the graders (they live in `rollout/rewards/`) or the generation backend.
 """
 
@@ -18,6 +18,9 @@ class EvalConfig:
     samples_per_problem: int = 1  # k of avg@k / pass@k
     temperature: float = 0.0  # 0 = greedy
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    # held-out accuracy inside training every N steps (eval/periodic.py, on the learner's main
+    # rank; logged as eval/accuracy), 0 = only before and after training
+    every_steps: int = 0
 
     def check(self) -> list[tuple[str, str]]:
         errs: list[tuple[str, str]] = []
@@ -27,6 +30,10 @@ class EvalConfig:
             errs.append(("samples_per_problem", "must be >= 1"))
         if self.temperature < 0:
             errs.append(("temperature", "must be >= 0"))
+        if self.every_steps < 0:
+            errs.append(("every_steps", "must be >= 0 (0: no evaluation during training)"))
+        elif self.every_steps > 0 and self.num_problems == 0:
+            errs.append(("every_steps", "needs eval.num_problems > 0 (the problems it evaluates on)"))
         return errs
 
 

@@ -658,6 +658,7 @@ class RolloutManager:
             version=self._version, groups_written=c["groups_written"], groups_filtered=c["filtered_groups"],
             state_path=self._state_answered, error=self._error,
             metrics={**{f"rollout/{k}": float(v) for k, v in c.items()},
+                     "rollout/engine_busy_s": self._busy(),  # engine-seconds with requests in flight
                      **getattr(self._prompts, "metrics", dict)()},  # data rows dropped (rollout/prompts_rejected)
         ))
 

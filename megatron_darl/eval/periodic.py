@@ -1,0 +1,170 @@
+"""Held-out accuracy during training, every `eval.every_steps` steps, in the learner's process.
+
+What it is: `PeriodicEvaluator`, held by the main learner rank. When version v is published and
+v is a multiple of `eval.every_steps`, `maybe_run(v, publisher)` loads that Hugging Face folder
+into an in-process `Decoder` (the embedded engine's decoding core, continuous batching),
+answers the same held-out problems as the launcher's before/after evaluation and `darl-eval`
+(same prompts, seeds and eval settings, through the same `aevaluate`), grades them in a reward
+pool kept for the run, and returns the figures to log at that step:
+
+- `eval/accuracy` (avg@k) with `eval/accuracy_lo` / `eval/accuracy_hi` (95% interval),
+  `eval/pass_at_k`, `eval/version`;
+- `eval/samples_generated`: samples the rollout side has generated so far (written to the
+  ring plus those of groups the equal-reward filter dropped), the x axis of sample efficiency;
+  from the rollout manager's status, which it rewrites every second (so at most that old);
+- `eval/wall_s`: seconds since this process started training (a resumed run counts from its
+  resumption) with every evaluation's own time taken out, the x axis of wall-clock curves;
+  `perf/eval_s` is this evaluation's time.
+
+Why in the learner and not through the engines: the engines keep generating undisturbed (no
+pause, no weight swap for an evaluation) and the policy evaluated is exactly the one just
+published; for the CPU demo's model an evaluation of 500 problems costs seconds. The engines
+do keep generating while the learner evaluates (up to the staleness bound), so a run with
+frequent evaluations waits a little less for data afterwards: `eval/wall_s` slightly flatters
+asynchronous runs, by at most the summed `perf/eval_s`. Models too large to hold a second fp32
+copy beside the learner should evaluate saved checkpoints with `darl-eval` instead.
+What it is not: the launcher's before/after evaluation through the engines (`session.py`) or
+the scores' maths (`runner.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from megatron_darl.config import RunConfig
+from megatron_darl.eval.runner import ProblemScores, aevaluate
+from megatron_darl.rollout.api import GenerateRequest, GenerateResponse
+from megatron_darl.rollout.decoder import Decoder, Sequence
+
+
+class DecoderEngine:
+    """A `Decoder` behind the `agenerate` call that `aevaluate` makes: concurrent requests join
+    one batch (at most `max_batch` rows, as the engine server's `--max-batch`) and decode
+    together; one background task steps the decoder while anything is waiting or running."""
+
+    url = "in-process"
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+        self._waiting: list[tuple[Sequence, asyncio.Future]] = []
+        self._futures: dict[str, asyncio.Future] = {}
+        self._driver: asyncio.Task | None = None
+
+    async def agenerate(self, req: GenerateRequest) -> GenerateResponse:
+        if req.rid in self._futures:
+            raise ValueError(f"DecoderEngine: request id {req.rid!r} is already in flight")
+        fut = asyncio.get_running_loop().create_future()
+        seq = Sequence(rid=req.rid, tokens=list(req.input_ids), prompt_len=len(req.input_ids), sampling=req.sampling)
+        self._futures[req.rid] = fut
+        self._waiting.append((seq, fut))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._adrive())
+        seq = await fut
+        return GenerateResponse(rid=seq.rid, output_ids=seq.output_ids, output_logprobs=list(seq.logprobs),
+                                output_versions=list(seq.versions), finish_reason=seq.finish["type"],
+                                weight_version=self.decoder.version)
+
+    async def _adrive(self) -> None:
+        await asyncio.sleep(0)  # let every request of this gather() enqueue first: one batch
+        try:
+            while self._waiting or self.decoder.rows:
+                while self._waiting and self.decoder.free_slots > 0:
+                    self.decoder.add(self._waiting.pop(0)[0])
+                for seq in self.decoder.step():
+                    self._futures.pop(seq.rid).set_result(seq)
+                await asyncio.sleep(0)
+        except Exception as exc:  # every caller gets the error (nobody awaits this task itself)
+            self.decoder.remove()
+            self._waiting.clear()
+            for fut in self._futures.values():
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"in-process evaluation decode failed: {exc!r}"))
+            self._futures.clear()
+
+
+class PeriodicEvaluator:
+    """Greedy (or `eval.temperature`) held-out accuracy of published versions; main rank only."""
+
+    def __init__(self, cfg: RunConfig, device: str | None = None):
+        from megatron_darl.data.tokenizers import load_tokenizer
+        from megatron_darl.eval.session import eval_prompts, stop_ids
+
+        if cfg.eval.every_steps <= 0 or cfg.eval.num_problems <= 0:
+            raise ValueError(f"PeriodicEvaluator: eval.every_steps={cfg.eval.every_steps} and eval.num_problems="
+                             f"{cfg.eval.num_problems} must both be > 0 (eval.every_steps=0 turns it off)")
+        self.cfg = cfg
+        self.every = cfg.eval.every_steps
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_dir)
+        prompts = eval_prompts(cfg, self.tokenizer)
+        if not prompts:
+            raise ValueError(f"eval.every_steps={self.every}: no held-out problems to evaluate on "
+                             f"(data.eval_source / data.eval_size give none); set eval.every_steps=0 or add them")
+        self.prompts = prompts
+        self.stop_ids = stop_ids(self.tokenizer)
+        self.engine: DecoderEngine | None = None
+        self.pool = None
+        self.eval_s_total = 0.0
+        self.t_start = time.perf_counter()
+
+    def due(self, version: int) -> bool:
+        return version % self.every == 0
+
+    def maybe_run(self, version: int, publisher: Any) -> dict[str, float]:
+        """Evaluate `publisher.folder(version)` when `version` is due; {} otherwise."""
+        if not self.due(version):
+            return {}
+        t0 = time.perf_counter()
+        scores = self.evaluate_folder(publisher.folder(version))
+        r = scores.result("held-out")
+        eval_s = time.perf_counter() - t0
+        self.eval_s_total += eval_s
+        out = {"eval/accuracy": r.avg_at_k, "eval/accuracy_lo": r.ci95[0], "eval/accuracy_hi": r.ci95[1],
+               "eval/pass_at_k": r.pass_at_k, "eval/version": float(version), "eval/problems": float(r.num_problems),
+               "eval/wall_s": time.perf_counter() - self.t_start - self.eval_s_total, "perf/eval_s": eval_s}
+        generated = samples_generated(publisher.rollout_metrics(), self.cfg.rollout.group_size)
+        if generated is not None:
+            out["eval/samples_generated"] = generated
+        return out
+
+    def evaluate_folder(self, folder: str) -> ProblemScores:
+        """Scores of the HF model folder `folder` on the held-out problems."""
+        from megatron_darl.rollout.rewards.pool import RewardPool
+
+        if self.engine is None:
+            self.engine = DecoderEngine(Decoder(folder, device=self.device,
+                                                max_batch=self.cfg.rollout.max_concurrent_per_engine,
+                                                seed=self.cfg.train.seed))
+        else:
+            self.engine.decoder.load_weights(folder)
+        if self.pool is None:
+            self.pool = RewardPool(self.cfg.reward)
+        ecfg = self.cfg.eval
+        return asyncio.run(aevaluate([self.engine], self.prompts, self.tokenizer, self.pool,
+                                     k=ecfg.samples_per_problem, temperature=ecfg.temperature,
+                                     max_new_tokens=ecfg.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                     stop_token_ids=self.stop_ids, seed=self.cfg.train.seed))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self.engine = None
+
+
+def samples_generated(rollout_metrics: dict[str, float], group_size: int) -> float | None:
+    """Samples generated so far from the rollout manager's counters: those written to the ring
+    plus the G samples of each group the equal-reward filter dropped; None before its first
+    status."""
+    if "rollout/samples_written" not in rollout_metrics:
+        return None
+    return rollout_metrics["rollout/samples_written"] + group_size * rollout_metrics.get("rollout/filtered_groups", 0.0)
+
+
+def build_periodic_evaluator(cfg: RunConfig, is_main: bool) -> PeriodicEvaluator | None:
+    """The main rank's evaluator when `eval.every_steps > 0`; None elsewhere."""
+    return PeriodicEvaluator(cfg) if is_main and cfg.eval.every_steps > 0 else None

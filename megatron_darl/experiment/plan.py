@@ -1,0 +1,152 @@
+"""Which runs the experiment makes: sizes, the learning-rate tuning phase and the main grid.
+
+What it is: `Size` (methods, etas, seeds, steps, the learning-rate grid, the tuning eta and
+seeds, and the run settings every run shares), the two sizes `SIZES["quick"]` (CI: checks that
+the outputs exist and are well-formed) and `SIZES["default"]` (the comparison, about 90
+minutes on a quiet 2-core machine), `tuning_specs` / `best_settings` / `main_specs`, and
+`estimate_s`, the time budget of a plan from measured per-step timings.
+
+The tuning protocol (the same for every method): each main method runs once per setting of the
+grid (learning rates x, optionally, `algo.ppo_n_minibatches` values) at the tuning eta with the
+tuning seeds; the setting with the highest mean AUC (mean held-out accuracy over the samples
+budget) wins, ties going to the smaller rate. The main grid then runs every method at its own
+best setting, at every eta, with every seed; a tuning run with the same settings as a main run
+is that run (done once). The ablations of D-ARL use D-ARL's setting and run at the tuning eta only (the K ablation equal to D-ARL's own window there is D-ARL's
+runs, not run twice).
+What it is not: the run driver (`runs.py`) or the statistics (`analysis.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from megatron_darl.experiment.analysis import auc
+from megatron_darl.experiment.api import ABLATIONS, MAIN_METHODS, METHODS, RunResult, RunSpec, Setting, darl_window
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    methods: tuple[str, ...]
+    ablations: tuple[str, ...]
+    etas: tuple[int, ...]
+    seeds: tuple[int, ...]
+    lr_grid: tuple[float, ...]
+    tune_eta: int
+    tune_seeds: tuple[int, ...]
+    steps: int
+    every: int  # eval.every_steps
+    settings: tuple[str, ...] = field(default=())  # overrides every run of this size shares
+    mb_grid: tuple[int, ...] = ()  # algo.ppo_n_minibatches values tuned with the rate; (): the recipe's
+
+    def grid(self) -> list[Setting]:
+        return [Setting(lr, mb) for lr in sorted(self.lr_grid) for mb in (sorted(self.mb_grid) or (None,))]
+
+    def check(self) -> list[str]:
+        errs = [f"unknown method {m!r} (known: {', '.join(METHODS)})" for m in (*self.methods, *self.ablations)
+                if m not in METHODS]
+        if not self.methods:
+            errs.append("no method to run")
+        if any(e < 1 for e in self.etas):
+            errs.append(f"etas {self.etas}: each must be >= 1 (sync is the eta = 0 method)")
+        if self.tune_eta not in self.etas:
+            errs.append(f"tuning eta {self.tune_eta} is not one of the etas {self.etas}")
+        if not set(self.tune_seeds) <= set(self.seeds):
+            errs.append(f"tuning seeds {self.tune_seeds} must be among the seeds {self.seeds}")
+        if self.steps < 1 or self.every < 1 or self.steps % self.every:
+            errs.append(f"steps={self.steps} must be a positive multiple of the evaluation interval {self.every}")
+        if not self.lr_grid:
+            errs.append("empty learning-rate grid")
+        if any(mb < 1 for mb in self.mb_grid):
+            errs.append(f"minibatch grid {self.mb_grid}: each must be >= 1")
+        return errs
+
+
+# The demo recipe (configs/cpu_demo_darl.yaml) with half its batch, so that a run is short and
+# its curve has many points per generated sample, and a paced learner: every step lasts at least
+# `train.min_step_s` (the learner sleeps the rest). Without pacing, generation is the slower side on
+# 2 shared cores and trained data stays about 1-2 versions old whatever eta allows (measured:
+# decoupled at eta = 4 and 8 averaged 1.9 and 2.1); a learner slower than generation lets the
+# engines run eta versions ahead, as a learner on its own (busy) hardware would.
+_SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=500", "train.min_step_s=1.0")
+
+SIZES: dict[str, Size] = {
+    "quick": Size(
+        name="quick", methods=("sync", "darl"), ablations=(), etas=(1, 2),
+        seeds=(0, 1), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=4, every=2,
+        settings=("train.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40", "data.eval_size=40",
+                  "replay.warmup=0", "logging.tensorboard=false", "train.min_step_s=0.5")),
+    "default": Size(
+        name="default", methods=tuple(MAIN_METHODS), ablations=tuple(ABLATIONS), etas=(1, 2, 4, 8),
+        seeds=(0, 1, 2), lr_grid=(2.5e-5, 5e-5, 1e-4), tune_eta=4, tune_seeds=(0,), steps=25, every=5,
+        settings=_SETTINGS),
+}
+
+
+def with_overrides(size: Size, **changes) -> Size:
+    """`size` with the command line's changes (None values leave a field as it is)."""
+    return replace(size, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in changes.items() if v is not None})
+
+
+def _eta_of(method: str, eta: int) -> int:
+    return 0 if METHODS[method].eta_free else eta
+
+
+def tuning_specs(size: Size) -> list[RunSpec]:
+    """One run per (main method, grid setting, tuning seed) at the tuning eta; none when the grid
+    holds one setting (nothing to choose)."""
+    grid = size.grid()
+    if len(grid) < 2:
+        return []
+    return [RunSpec(m, _eta_of(m, size.tune_eta), g.lr, s, g.minibatches) for m in size.methods for g in grid
+            for s in size.tune_seeds]
+
+
+def best_settings(size: Size, tuning: list[RunResult]) -> tuple[dict[str, Setting], dict[str, dict[str, float]]]:
+    """Per main method, the grid setting with the highest mean AUC over its tuning seeds (ties:
+    the earlier in the grid, i.e. the smaller rate), and the mean AUC of every setting tried. A
+    method none of whose tuning runs finished gets no setting (the caller reports it)."""
+    grid = size.grid()
+    best: dict[str, Setting] = {}
+    scores: dict[str, dict[str, float]] = {}
+    for m in size.methods:
+        mine = [r for r in tuning if r.spec.method == m]
+        if len(grid) == 1:
+            best[m] = grid[0]
+            continue
+        if not mine:
+            continue
+        x_common = min(r.curve.samples[-1] for r in mine)
+        per = {}
+        for g in grid:
+            vals = [auc(r.curve.samples, r.curve.accuracy, x_common) for r in mine if r.spec.setting == g]
+            if vals:
+                per[g] = sum(vals) / len(vals)
+        scores[m] = {g.label: v for g, v in per.items()}
+        best[m] = max(per, key=lambda g: per[g])  # max keeps the first of equal scores
+    return best, scores
+
+
+def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
+    """Every main method at its best setting, every eta and seed; ablations at the tuning eta
+    with the setting of the method they vary."""
+    specs: list[RunSpec] = []
+    for m in [m for m in size.methods if m in best]:
+        etas = [0] if METHODS[m].eta_free else list(size.etas)
+        specs += [RunSpec(m, eta, best[m].lr, s, best[m].minibatches) for eta in etas for s in size.seeds]
+    for a in size.ablations:
+        if a == f"darl_k{darl_window(size.tune_eta)}":  # D-ARL itself at this eta: its runs stand for it
+            continue
+        g = best.get(METHODS[a].tune_as or a, size.grid()[0] if len(size.grid()) == 1 else None)
+        if g is None:  # the method it varies could not be tuned
+            continue
+        specs += [RunSpec(a, size.tune_eta, g.lr, s, g.minibatches) for s in size.seeds]
+    return specs
+
+
+def estimate_s(specs: list[RunSpec], size: Size, step_s: dict[str, float], eval_s: float, overhead_s: float) -> float:
+    """Seconds for `specs` from per-step times by method (`step_s`, "*" as the fallback), the
+    time of one in-loop evaluation and a fixed per-run overhead (start-up, evaluation before and
+    after, export, teardown)."""
+    evals = size.steps // size.every
+    return sum(overhead_s + evals * eval_s + size.steps * step_s.get(s.method, step_s["*"]) for s in specs)

@@ -1,0 +1,108 @@
+"""Held-out accuracy inside training (`eval.every_steps`, eval/periodic.py) is the accuracy the
+existing evaluation gives.
+
+(a) On the same model folder, the in-process evaluator scores every held-out problem exactly as
+the engine-served evaluation of `darl-eval` and the launcher (`eval/session.py` through a real
+embedded engine over HTTP) does, on a model that answers some problems right and some wrong.
+(b) A real `darl-train` run with `eval.every_steps=2` logs `eval/accuracy` at versions 2 and 4
+only (metrics.jsonl and TensorBoard), with the generated samples and the wall-clock without
+evaluation time, and its last figure is the launcher's own evaluation of the final model.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from e2e_harness import assert_nothing_left, base_config, new_run, write_config
+
+from megatron_darl.config import load_config
+
+N = 60
+
+
+@pytest.mark.timeout(300)
+def test_in_process_scores_equal_the_engine_served_evaluation(tmp_path, warm_model):
+    from megatron_darl.eval.periodic import PeriodicEvaluator
+    from megatron_darl.eval.session import evaluate_with_engines
+    from megatron_darl.launch.local import Supervisor
+    from megatron_darl.launch.session import LocalSession
+
+    cfg = load_config(write_config(str(tmp_path / "c.yaml"), base_config(
+        str(tmp_path / "run"), warm_model, eval={"num_problems": N, "every_steps": 1}, data={"eval_size": N})))
+    with tempfile.TemporaryDirectory() as logs, Supervisor(logs, echo=None) as sup:
+        session = LocalSession(cfg, sup)
+        session.start_engines()
+        served, _ = evaluate_with_engines(cfg, session.engine_urls, "of the warm start")
+    ev = PeriodicEvaluator(cfg)
+    try:
+        mine = ev.evaluate_folder(warm_model)
+    finally:
+        ev.close()
+    assert mine.uids == served.uids and len(mine.uids) == N
+    assert 0 < served.scores.mean() < 1, "a model that is always right or always wrong proves nothing"
+    assert (mine.scores == served.scores).all(), (mine.scores.ravel().tolist(), served.scores.ravel().tolist())
+
+
+class _Publisher:
+    def __init__(self, folder):
+        self.path = folder
+
+    def folder(self, version):
+        return self.path
+
+    def rollout_metrics(self):
+        return {"rollout/samples_written": 96.0, "rollout/filtered_groups": 2.0}
+
+
+@pytest.mark.timeout(300)
+def test_only_due_versions_are_evaluated_and_eval_time_is_taken_out(tmp_path, warm_model):
+    from megatron_darl.eval.periodic import PeriodicEvaluator
+
+    cfg = load_config(write_config(str(tmp_path / "c.yaml"), base_config(
+        str(tmp_path / "run"), warm_model, eval={"num_problems": 20, "every_steps": 3}, data={"eval_size": 20})))
+    ev = PeriodicEvaluator(cfg)
+    try:
+        assert ev.maybe_run(2, _Publisher("/nonexistent")) == {}  # not due: nothing is loaded
+        out = ev.maybe_run(3, _Publisher(warm_model))
+        again = ev.maybe_run(6, _Publisher(warm_model))  # the decoder swaps weights in place
+    finally:
+        ev.close()
+    assert out["eval/version"] == 3 and out["eval/problems"] == 20
+    assert out["eval/samples_generated"] == 96 + 2 * cfg.rollout.group_size
+    assert out["eval/accuracy_lo"] <= out["eval/accuracy"] <= out["eval/accuracy_hi"]
+    assert again["eval/accuracy"] == out["eval/accuracy"]  # same weights, same greedy answers
+    # nothing but evaluation happened between the two calls: the wall-clock without it stood still
+    assert again["perf/eval_s"] > 0 and again["eval/wall_s"] == pytest.approx(out["eval/wall_s"], abs=0.5)
+
+
+@pytest.mark.timeout(420)
+def test_a_run_logs_accuracy_every_n_steps(tmp_path, warm_model):
+    run = new_run(tmp_path, warm_model, eval={"num_problems": 40, "every_steps": 2}, data={"eval_size": 40},
+                  logging={"progress": False, "tensorboard": True})
+    try:
+        run.start()
+        assert run.wait(360) == 0, run.output()[-4000:]
+    finally:
+        run.kill()
+    rows = run.metrics()
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["eval/version"] for r in evals] == [2.0, 4.0]
+    assert [r["step"] for r in evals] == [1, 3]  # logged with the step whose update made that version
+    # the rollout manager's counters (its status is rewritten every second, so they may lag a step)
+    assert 0 < evals[0]["eval/samples_generated"] <= evals[1]["eval/samples_generated"]
+    for r in evals:
+        assert 0 <= r["eval/wall_s"] <= r["time"] - r["perf/eval_s"]
+    import json
+
+    with open(os.path.join(run.run_dir, "summary.json")) as fh:
+        summary = json.load(fh)
+    assert evals[-1]["eval/accuracy"] == pytest.approx(summary["accuracy_after"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(run.run_dir, "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [1, 3]
+    assert_nothing_left(run, run.run_info()["run_id"])

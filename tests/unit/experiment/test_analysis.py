@@ -1,0 +1,141 @@
+"""The comparison's statistics against naive references: AUC, threshold crossing, t-intervals,
+collapse, the per-eta rows, and the learning-rate choice of the tuning phase."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from megatron_darl.experiment import analysis as A
+from megatron_darl.experiment.api import Curve, RunResult, RunSpec, Setting
+from megatron_darl.experiment.plan import SIZES, best_settings, main_specs, tuning_specs, with_overrides
+
+
+def _run(method, acc, samples=None, eta=1, lr=5e-5, seed=0, loss_ok=True, ess=0.9, stale=(0.5, 1.0)):
+    n = len(acc)
+    samples = samples or [100.0 * i for i in range(n)]
+    curve = Curve(steps=[float(i) for i in range(n)], samples=list(samples), wall_s=[2.0 * i for i in range(n)],
+                  accuracy=list(acc))
+    return RunResult(RunSpec(method, eta, lr, seed), curve, stale[0], stale[1], ess, 10.0, not loss_ok,
+                     samples[-1], 1.0)
+
+
+def test_auc_is_the_mean_of_the_curve_over_the_common_budget():
+    x, y = [0, 100, 300, 400], [0.2, 0.4, 0.3, 0.5]
+    dense = np.linspace(0, 250, 250_001)
+    assert A.auc(x, y, 250) == pytest.approx(np.interp(dense, x, y).mean(), abs=1e-6)
+    assert A.auc(x, y, 400) == pytest.approx((30 + 70 + 40) / 400)  # trapezoids by hand
+
+
+def test_first_reach_interpolates_between_evaluations():
+    assert A.first_reach([0, 100, 200], [0.2, 0.3, 0.5], 0.4) == pytest.approx(150.0)
+    assert A.first_reach([0, 100], [0.2, 0.3], 0.4) is None
+    assert A.first_reach([0, 100], [0.5, 0.3], 0.4) == 0.0
+
+
+def _t975(df: int) -> float:
+    """The 0.975 quantile of Student's t by integrating its density (a naive reference)."""
+    t = np.linspace(0.0, 60.0, 2_000_001)
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    pdf = np.exp(logc - (df + 1) / 2 * np.log1p(t * t / df))
+    cdf = 0.5 + np.concatenate([[0.0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(t))])
+    return float(np.interp(0.975, cdf, t))
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 11, 31, 40, 200])
+def test_mean_interval_is_students_t(n):
+    v = np.random.default_rng(n).normal(0.3, 0.05, n)
+    m, lo, hi = A.mean_interval(list(v))
+    assert m == pytest.approx(v.mean())
+    half = _t975(n - 1) * v.std(ddof=1) / math.sqrt(n)
+    assert hi - m == pytest.approx(half, rel=2e-4 if n > 2 else 2e-3)
+    assert m - lo == pytest.approx(hi - m)
+    assert math.isnan(A.mean_interval([0.3])[1])
+
+
+def test_collapse_is_a_drop_below_the_warm_start_or_a_nan_loss():
+    assert A.collapsed(_run("darl", [0.3, 0.25, 0.15]))
+    assert not A.collapsed(_run("darl", [0.3, 0.25, 0.22]))
+    assert A.collapsed(_run("darl", [0.3, 0.4], loss_ok=False))
+
+
+def test_eta_figures_threshold_and_rows():
+    runs = [_run("decoupled_areal", [0.2, 0.3, 0.40], seed=0), _run("decoupled_areal", [0.2, 0.3, 0.30], seed=1),
+            _run("decoupled_verl", [0.2, 0.25, 0.30], seed=0),
+            _run("darl", [0.2, 0.4, 0.45], seed=0, ess=0.5), _run("darl", [0.2, 0.3, 0.05], seed=1, ess=0.7),
+            _run("sync", [0.2, 0.3, 0.36], samples=[0, 90, 180], eta=0)]
+    fig = A.eta_figures(runs, ["sync", "decoupled_areal", "darl"])
+    assert fig["best_decoupled"] == pytest.approx(0.35)  # areal's seed mean at its last point
+    assert fig["threshold"] == pytest.approx(0.28)
+    assert fig["x_common"] == 180.0
+    darl = fig["rows"]["darl"]
+    assert darl["final_accuracy"] == pytest.approx(0.25) and darl["collapses"] == 1 and darl["ess_min"] == 0.5
+    # seed 0 crosses 0.28 at 100 * 0.08 / 0.2 = 40 samples, seed 1 at 100 * 0.08 / 0.1 = 80
+    assert darl["samples_to_threshold"] == pytest.approx(60.0) and darl["reached_threshold"] == 2
+    assert set(fig["rows"]) == {"sync", "decoupled_areal", "darl"}
+
+
+def test_best_learning_rate_by_auc_and_ties_to_the_smaller():
+    size = with_overrides(SIZES["default"], methods=["decoupled_areal", "darl"], lr_grid=[1e-5, 2e-5, 4e-5])
+    tuning = [_run("decoupled_areal", [0.2, 0.3], lr=1e-5), _run("decoupled_areal", [0.2, 0.4], lr=2e-5),
+              _run("decoupled_areal", [0.2, 0.1], lr=4e-5),
+              _run("darl", [0.2, 0.3], lr=1e-5), _run("darl", [0.2, 0.3], lr=2e-5), _run("darl", [0.2, 0.2], lr=4e-5)]
+    best, scores = best_settings(size, tuning)
+    assert best == {"decoupled_areal": Setting(2e-5), "darl": Setting(1e-5)}
+    assert scores["decoupled_areal"]["lr 2e-05"] == pytest.approx(0.3)
+    best, _ = best_settings(size, tuning[:3])  # no D-ARL tuning run finished: no setting, no guess
+    assert "darl" not in best and not any(s.method.startswith("darl") for s in main_specs(size, best))
+
+
+def test_the_default_plan_covers_every_cell_once():
+    size = SIZES["default"]
+    tune = tuning_specs(size)
+    assert len(tune) == len(size.methods) * len(size.lr_grid) * len(size.tune_seeds)
+    assert {s.eta for s in tune if s.method != "sync"} == {size.tune_eta} and {s.eta for s in tune if s.method == "sync"} == {0}
+    specs = main_specs(size, {m: Setting(5e-5) for m in size.methods})
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names))
+    assert sum(s.method == "sync" for s in specs) == len(size.seeds)
+    for m in ("naive", "decoupled_areal", "decoupled_verl", "darl"):
+        cells = {(s.eta, s.seed) for s in specs if s.method == m}
+        assert cells == {(e, s) for e in size.etas for s in size.seeds}
+    abl = {s.method for s in specs if s.method.startswith("darl_")}
+    assert abl == {"darl_nosel", "darl_nopmis", "darl_k1", "darl_k2", "darl_k8"}  # k4 is darl itself at eta 4
+    assert all(s.eta == size.tune_eta for s in specs if s.method in abl)
+    assert len(size.seeds) >= 3 and set(size.etas) == {1, 2, 4, 8}
+
+
+def test_run_overrides_set_eta_window_and_learning_rate():
+    over = RunSpec("darl", 8, 1e-4, 2).overrides(steps=40, every=5)
+    assert "staleness.max_head_offpolicyness=8" in over and "replay.k=8" in over
+    assert {"optim.lr=0.0001", "train.seed=2", "train.steps=40", "eval.every_steps=5"} <= set(over)
+    sync = RunSpec("sync", 0, 1e-4, 0).overrides(steps=40, every=5)
+    assert [o for o in sync if o.startswith("staleness.")] == ["staleness.max_head_offpolicyness=0"]
+    assert "replay.k=1" in RunSpec("darl_k1", 4, 1e-4, 0).overrides(40, 5)
+    assert not any(o.startswith("replay.k=4") for o in RunSpec("darl_k1", 4, 1e-4, 0).overrides(40, 5))
+
+
+def test_minibatches_are_tuned_with_the_rate_when_asked():
+    size = with_overrides(SIZES["default"], methods=["naive"], ablations=[], lr_grid=[1e-4, 5e-5], mb_grid=[2, 1])
+    assert [g.label for g in size.grid()] == ["lr 5e-05, 1 mb", "lr 5e-05, 2 mb", "lr 0.0001, 1 mb", "lr 0.0001, 2 mb"]
+    tune = tuning_specs(size)
+    assert {(s.lr, s.minibatches) for s in tune} == {(5e-5, 1), (5e-5, 2), (1e-4, 1), (1e-4, 2)}
+    assert "algo.ppo_n_minibatches=1" in RunSpec("naive", 4, 5e-5, 0, 1).overrides(40, 5)
+    runs = [_run("naive", [0.2, 0.3], lr=s.lr, eta=4) for s in tune]
+    for r, s in zip(runs, tune):
+        r.spec = s
+    runs[2].curve.accuracy = [0.2, 0.5]  # lr 1e-4 with 1 minibatch
+    best, _ = best_settings(size, runs)
+    assert best["naive"] == Setting(1e-4, 1)
+    assert {(s.lr, s.minibatches) for s in main_specs(size, best)} == {(1e-4, 1)}
+
+
+def test_the_pacing_setting_is_checked_and_the_default_size_paces():
+    from megatron_darl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.min_step_s"):
+        load_config("configs/cpu_demo_darl.yaml", ["train.min_step_s=-1"])
+    assert load_config("configs/cpu_demo_darl.yaml", []).train.min_step_s == 0.0  # off unless asked
+    assert "train.min_step_s=1.0" in SIZES["default"].settings
