@@ -28,14 +28,13 @@ def test_in_process_scores_equal_the_engine_served_evaluation(tmp_path, warm_mod
     from megatron_darl.eval.periodic import PeriodicEvaluator
     from megatron_darl.eval.session import evaluate_with_engines
     from megatron_darl.launch.local import Supervisor
-    from megatron_darl.launch.session import LocalSession
+    from megatron_darl.launch.runner import start_local_engines
 
     cfg = load_config(write_config(str(tmp_path / "c.yaml"), base_config(
         str(tmp_path / "run"), warm_model, eval={"num_problems": N, "every_steps": 1}, data={"eval_size": N})))
     with tempfile.TemporaryDirectory() as logs, Supervisor(logs, echo=None) as sup:
-        session = LocalSession(cfg, sup)
-        session.start_engines()
-        served, _ = evaluate_with_engines(cfg, session.engine_urls, "of the warm start")
+        urls = start_local_engines(cfg, sup)
+        served, _ = evaluate_with_engines(cfg, urls, "of the warm start")
     ev = PeriodicEvaluator(cfg)
     try:
         mine = ev.evaluate_folder(warm_model)
