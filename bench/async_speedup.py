@@ -13,7 +13,9 @@ for `--rounds` rounds. From each run's `metrics.jsonl`, over its steady state (s
   `perf/pace_s` if `--extra train.min_step_s=...` paces it);
 - engine idle: 1 - engine-seconds with requests in flight (`rollout/engine_busy_s`) / wall;
 - speedup(eta) = training steps/s at eta / steps/s synchronous (medians over rounds): the same
-  work, B x G samples trained per step, in less time.
+  work, B x G samples trained per step, in less time;
+- with both methods, D-ARL's time per step over decoupled's at each eta, one ratio per round
+  (the two runs of a round are an alternated pair) and the median.
 
 The ideal speedup comes from the synchronous run's phase times, where generation and training
 do not overlap. Per step: T_gen = engine-seconds with requests in flight, T_train = the
@@ -100,6 +102,19 @@ def summarise(method: str, by_eta: dict[int, list[dict]]) -> dict:
             "etas": rows}
 
 
+def pair_ratios(results: dict[str, dict[int, list[dict]]], num: str = "darl",
+                den: str = "decoupled_areal") -> dict[int, dict]:
+    """Time per step of `num` over `den` at each eta, one ratio per round (the two runs of a round
+    ran back to back, so each ratio is one alternated pair), and their median."""
+    if num not in results or den not in results:
+        return {}
+    out = {}
+    for eta, runs in results[num].items():
+        ratios = [d["steps_per_s"] / n["steps_per_s"] for n, d in zip(runs, results[den][eta])]
+        out[eta] = {"pairs": ratios, "median": statistics.median(ratios)}
+    return out
+
+
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -149,7 +164,12 @@ def main() -> int:
                   f"{r['speedup']:7.2f} {_fmt(r['ideal'], '6.2f')} {_fmt(r['efficiency'], '6.2f')}")
         print(f"{s['method']:16s} synchronous phases per step: T_gen {_fmt(s['t_gen_per_step_s'], '.2f')} s, "
               f"T_train {s['t_train_per_step_s']:.2f} s")
-    print(json.dumps({"rounds": args.rounds, "steps": args.steps, "skip": args.skip, "methods": summary}))
+    ratios = pair_ratios(results)
+    for eta, r in ratios.items():
+        print(f"D-ARL / decoupled time per step at eta {eta}: median {r['median']:.2f} "
+              f"(pairs {', '.join(f'{x:.2f}' for x in r['pairs'])})")
+    print(json.dumps({"rounds": args.rounds, "steps": args.steps, "skip": args.skip, "methods": summary,
+                      "darl_over_decoupled_time_per_step": ratios}))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Public contract of `megatron_darl.algo`: what another RL pipeline may import and rely on.
 
 What it is: the re-exports and the table below. What it is not: an implementation; the maths
-of each function is in its docstring and in shared/ALGORITHM.md.
+of each function is in its docstring and in docs/ALGORITHM.md.
 
 Conventions. Per-token tensors are `[B, T]` with `mask` (1 = response token that counts);
 per-sequence tensors are `[B]`; advantages may be `[B]` or `[B, T]`. Log-probs: `logp` =

@@ -61,6 +61,9 @@ class LaunchConfig:
     signal_before_s: int = 120  # Slurm: USR2 this long before the time limit: checkpoint and requeue
     setup: list[str] = field(default_factory=list)  # Slurm: shell lines before the job starts (module load ...)
     python: str = ""  # Slurm: the Python the nodes run (empty: this interpreter)
+    # Slurm, rollout.backend=sglang: the Python of SGLang's own environment (requirements-sglang.txt;
+    # sglang pins another torch than megatron-darl), which runs `-m sglang.launch_server` (empty: `python`)
+    engine_python: str = ""
     startup_timeout_s: float = 300.0  # every engine must answer /health_generate within this
     stop_timeout_s: float = 300.0  # after SIGTERM, learners must checkpoint and exit within this
 

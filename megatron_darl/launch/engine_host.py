@@ -251,7 +251,7 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
     indices = list(range(node * per, (node + 1) * per))
     gpus = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES", "")).split(",")
     gpus = [g for g in gpus if g]
-    python = cfg.launch.python or sys.executable
+    python = engine_python(cfg)
     with Supervisor(info.log_dir, echo=None) as sup:
         host = EngineHost(info, engine_specs(cfg, indices, gpus, python), sup, node,
                           args.address or node_address(), cfg.launch.startup_timeout_s, cfg.rollout.api_key)
@@ -260,6 +260,8 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
             if cfg.rollout.backend == "sglang" and not gpus:
                 raise RuntimeError("rollout.backend=sglang needs GPUs on the engine nodes (none visible: "
                                    "set launch.rollout.gpus_per_node)")
+            if cfg.rollout.backend == "sglang":
+                check_sglang_python(python)
             host.start_all()
             while not host.stop_requested():
                 host.step()
@@ -270,6 +272,32 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
             return 1
         host.log("stop marker: stopping the engines")
     return 0
+
+
+def engine_python(cfg) -> str:
+    """The interpreter that runs this node's engines: SGLang's own environment for SGLang servers
+    (`launch.engine_python`), megatron-darl's for `darl-engine`."""
+    own = cfg.launch.python or sys.executable
+    return (cfg.launch.engine_python or own) if cfg.rollout.backend == "sglang" else own
+
+
+def check_sglang_python(python: str, timeout_s: float = 120.0) -> None:
+    """Refuse, naming the interpreter and the key, an SGLang environment that is missing or holds
+    another release than the one the client is tested against."""
+    from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
+
+    probe = [python, "-c", "import sglang; print(sglang.__version__)"]
+    try:
+        out = subprocess.run(probe, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot run the SGLang interpreter {python!r} (launch.engine_python): {exc}") from exc
+    if out.returncode != 0:
+        raise RuntimeError(f"{python!r} cannot import sglang (launch.engine_python; install "
+                           f"requirements-sglang.txt in that environment): {out.stderr.strip()[-300:]}")
+    found = out.stdout.strip()
+    if found != SGLANG_VERSION:
+        raise RuntimeError(f"{python!r} has sglang {found}; the client speaks sglang {SGLANG_VERSION} "
+                           f"(requirements-sglang.txt, launch.engine_python)")
 
 
 def _stop_if_marked(engines_dir: str, attempt: str | None) -> None:

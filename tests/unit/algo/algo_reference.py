@@ -1,6 +1,6 @@
 """Naive per-element Python references for the algo tests (loops over lists, `math` only).
 
-What it is: the formulas of shared/ALGORITHM.md written the slow, obvious way, so that the
+What it is: the formulas of docs/ALGORITHM.md written the slow, obvious way, so that the
 vectorised library can be checked against them. What it is not: test cases (see test_algo_*).
 """
 
