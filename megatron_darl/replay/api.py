@@ -35,7 +35,7 @@ class ReplayConfig:
     sg_quantile: float = 0.9  # q: tau = quantile of the freshest version's group scores
     sg_tau_abs: float | None = None  # absolute score cap for stale groups only (0.04 is a good try)
     sg_fill: str = "fresh"  # batch short after gating: "fresh" fills with the freshest rest, "none" leaves it short
-    warmup: int = 5  # with `sg`: the first `warmup` steps train only on the freshest version in the pool
+    warmup: int = 5  # with `sg`: the first `warmup` steps train only never-trained groups (no replay)
     pmis: bool = True  # per-version objective with weights beta_k (false: one collapsed token mean)
     pmis_beta: str = "ess"  # beta_k: "ess" (inverse variance) | "tokens" (N_k/N) | "balance" (Veach)
     # balance's log mu_k: "exact" keeps a CPU copy of the weights of the K previous versions and

@@ -13,8 +13,8 @@ that only the learner can compute:
 `sample(t, batch_groups, select_fn, score_fn)` runs both phases for callers whose scores need
 no learner pass (baselines). Rules (ALGORITHM.md): a group of behavior version v leaves when
 t - v > K (replay on) or after `effective_max_reuse` trainings; with variance-guided selection
-(`sg`), for the first `warmup` steps only the freshest version in the pool is offered (never
-without it: baselines take the oldest groups from the first step). With replay off
+(`sg`), for the first `warmup` steps only never-trained groups are offered, no reused ones
+(never without it: baselines take the oldest groups from the first step). With replay off
 (`enable=False`) every group is trained exactly once and never aged out, as the baselines do:
 the staleness gate bounds their age instead. Which groups of the window a step is offered
 (the oldest never-trained ones it takes, older reused ones) is the feed's decision
@@ -204,9 +204,12 @@ class ReplayStore:
         # (version, group id), not arrival order: arrival depends on engine timing, and the same
         # data must give the same batch on a rerun
         groups.sort(key=lambda g: (g.version, g.group_id))
-        if step < self.cfg.effective_warmup and groups:
-            newest = max(g.version for g in groups)
-            groups = [g for g in groups if g.version == newest]
+        if step < self.cfg.effective_warmup:
+            # warmup: only never-trained groups, the freshest data the staleness gate lets exist.
+            # Not "the newest version only": the gate generates what the learner reported it
+            # would take, so waiting for a batch of the newest version alone could wait forever
+            # (while the older never-trained groups aged out untrained)
+            groups = [g for g in groups if g.reuse == 0]
         return groups
 
     # ---------------------------------------------------------------- introspection

@@ -107,12 +107,26 @@ def test_replay_off_trains_every_group_exactly_once_and_never_ages_out():
     assert [g.group_id for g in store.sample(15, 2, select_fifo)] == [50]
 
 
-def test_warmup_offers_only_the_freshest_version():
+def test_warmup_offers_only_never_trained_groups():
     store = ReplayStore(_cfg(k=4, warmup=2), group_size=G)
     for g, v in enumerate([0, 1, 1, 0]):
         _add_group(store, g, v)
-    assert store.candidates(1).versions.tolist() == [1, 1]
-    assert sorted(store.candidates(2).versions.tolist()) == [0, 0, 1, 1]
+    store.commit(0, [0])  # group 0 trained once: reused from now on
+    assert store.candidates(1).group_ids.tolist() == [3, 1, 2]  # every version, oldest first, no replay
+    assert sorted(store.candidates(2).group_ids.tolist()) == [0, 1, 2, 3]  # after warmup: replay too
+
+
+def test_warmup_never_waits_for_a_batch_of_the_newest_version():
+    """The deadlock the comparison experiment hit (D-ARL, eta 1, step 2): the gate had generated
+    the groups the learner reported it would take, a few of them already of the newest version;
+    a warmup that offered only the newest version waited for a full batch of it, which the gate
+    would never generate."""
+    store = ReplayStore(_cfg(k=2, warmup=5), group_size=G)
+    for g in range(6):
+        _add_group(store, g, 1)
+    _add_group(store, 6, 2)
+    assert store.ready(2, batch_groups=6, min_new=6)
+    assert store.candidates(2, new_limit=6).versions.tolist() == [1] * 6
 
 
 def test_warmup_is_part_of_selection_only():
