@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUILTIN_MODEL = "builtin:tiny-qwen3"
-# 3 layers, d=128: the size of the CPU prototype that trained in minutes on 2 cores (DESIGN.md)
+# 3 layers, d=128: small enough that the demo's warm start and RL run in minutes on 2 cores
+# (README, "On a fresh machine")
 TINY_QWEN3: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
     "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 3,
