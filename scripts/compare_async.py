@@ -1,22 +1,30 @@
 """The comparison experiment of docs/ALGORITHM.md on the CPU demo: curves, tables, plots, JSON.
 
 What it is: the one entry point of the comparison. From one shared warm start (made once, copied
-into every run) it runs sync, naive async, decoupled PPO (AReaL cap 5, verl token IS 2), D-ARL
-and D-ARL's ablations (no selection, no per-version objective, K = 1/2/4/8) at staleness bounds
-eta, several seeds each, every method at its own best learning rate from the same grid (tuned at
-one eta first; see megatron_darl/experiment/plan.py). Each run evaluates held-out accuracy inside
-its loop every `eval.every_steps` steps, so it yields a curve against steps, generated samples and
-wall-clock. Writes into `--out`: `results.md` (a table per eta: final accuracy with its interval
-across seeds, AUC, samples to reach 80% of the best decoupled accuracy, collapses, minimum ESS, the
-staleness actually reached, wall time), `curves_{steps,samples,wall_s}.png` (one panel per eta,
-mean and min-max band over seeds), `results.json`; prints the tables, and last one JSON object.
-Rerunning skips finished runs (a half-finished one is redone), so an interrupted experiment
-continues where it stopped.
+into every run) it runs the methods of the suite: sync, naive async, decoupled PPO (AReaL cap 5,
+verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay`,
+`decoupled_replay`), D-ARL and its ablations. Sizes (megatron_darl/experiment/plan.py):
+- `seeds` (the default): the seeds' regime, eta = 1 and K = 4, four cells (decoupled without
+  replay, naive + replay, decoupled + replay, D-ARL), 4 seeds, two learning rates as a factor
+  (the recipe's, and the smallest of a short pilot's rates on which the PPO clip acts on >= 3%
+  of tokens); the warm start must lie in 10-35% or it stops before the main runs;
+- `etas`: every method tuned on one grid at one eta, then run at eta = 1, 2, 4, 8, and D-ARL's
+  ablations;
+- `quick`: CI, a few minutes.
+Each run evaluates held-out accuracy inside its loop every `eval.every_steps` steps, so it yields
+a curve against steps, generated samples and wall-clock. Writes into `--out` (and, with
+`--publish DIR`, copies into DIR): `results.md` (a table per eta, or per eta and rate: accuracy at
+the smallest sample budget every run reached, AUC over it, final accuracy, with intervals across
+seeds; D-ARL minus each method paired by seed, Holm-corrected; drift diagnostics beside them:
+PPO clip fraction, ESS of the oldest version, KL, reused share, staleness reached),
+`curves_{steps,samples,wall_s}.png` (one panel per table, mean and min-max band over seeds),
+`results.json`; prints the tables, and last one JSON object. Rerunning skips finished runs (a
+half-finished one is redone), so an interrupted experiment continues where it stopped.
 What it is not: a benchmark of speed (bench/async_speedup.py) or a verdict: it prints what it
 measures, whichever method wins.
 
     python scripts/compare_async.py --quick --out /tmp/cmp        # CI: a few minutes
-    python scripts/compare_async.py --out runs/compare            # the comparison (~90 min, 2 cores)
+    python scripts/compare_async.py --out runs/compare --publish docs/results   # the comparison (< 95 min, 2 cores)
     python scripts/compare_async.py --plan                        # runs and time budget, then exit
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -51,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/cpu_demo_darl.yaml", help="base recipe of every run")
     p.add_argument("--out", default="runs/compare", help="experiment folder (runs, logs, tables, plots)")
-    p.add_argument("--size", choices=list(P.SIZES), default="default")
+    p.add_argument("--size", choices=list(P.SIZES), default="seeds")
     p.add_argument("--quick", action="store_const", const="quick", dest="size", help="same as --size quick")
     p.add_argument("--methods", nargs="+", help="main methods (default: the size's)")
     p.add_argument("--ablations", nargs="*", help="D-ARL ablations, at the tuning eta (default: the size's)")
@@ -67,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every run, after the size's")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run counts as failed")
     p.add_argument("--plan", action="store_true", help="print the runs and the time budget, then exit")
+    p.add_argument("--publish", help="also copy results.md, results.json and the plots into this folder "
+                                     "(e.g. docs/results)")
     return p
 
 
@@ -113,8 +124,9 @@ class Driver:
             self.done += 1
             head = f"[{self.done}/{self.total}] {spec.name:34s}"
             try:
+                steps = spec.length(self.size.steps, self.size.every)[0]
                 run_dir, reused, secs = run_or_reuse(spec, self.args.out, self.args.config, self.warm, over,
-                                                     self.size.steps, True, self.args.run_timeout)
+                                                     steps, True, self.args.run_timeout)
                 r = read_result(spec, run_dir)
             except RunFailed as exc:
                 self.failed.append(str(exc))
@@ -131,6 +143,35 @@ class Driver:
         return results
 
 
+def _pilot(drv: "Driver", size: P.Size) -> tuple[P.Size, dict | None, str | None]:
+    """Run the pilot (if the size has one): check the warm start's accuracy, add the chosen rate
+    to the grid. Returns the size to run, what the pilot measured, and why to stop (or None)."""
+    if not size.pilot_lrs:
+        return size, None, None
+    pilots = drv.run(P.pilot_specs(size))
+    if not pilots:
+        return size, None, "every pilot run failed"
+    warm = pilots[0].curve.accuracy[0]
+    if size.warm_range and not size.warm_range[0] <= warm <= size.warm_range[1]:
+        return size, None, (f"the warm start's accuracy {100 * warm:.1f}% is outside {size.warm_range}: "
+                            f"change train.sft_steps (--extra) and rerun")
+    chosen, clip = P.pilot_choice(size, pilots)
+    rate = chosen if chosen is not None else max(size.pilot_lrs)
+    print(f"pilot: clip fraction by rate {clip}; higher rate {rate:g}"
+          f"{'' if chosen is not None else f' (none reached {size.pilot_clip:.0%}: the largest tried)'}", flush=True)
+    info = {"clip_frac": clip, "rate": rate, "reached": chosen is not None, "threshold": size.pilot_clip,
+            "method": size.pilot_method, "steps": size.pilot_steps, "warm_start_accuracy": warm}
+    return P.with_overrides(size, lr_grid=(*size.lr_grid, rate)), info, None
+
+
+def publish(out: str, dest: str) -> None:
+    """Copy the outputs a reader needs (results.md, results.json, the plots) into `dest`."""
+    os.makedirs(dest, exist_ok=True)
+    for name in ("results.md", "results.json", "curves_steps.png", "curves_samples.png", "curves_wall_s.png"):
+        if os.path.isfile(os.path.join(out, name)):
+            shutil.copyfile(os.path.join(out, name), os.path.join(dest, name))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     size = _size(args)
@@ -138,35 +179,37 @@ def main(argv: list[str] | None = None) -> int:
     if errs:
         print("compare_async: " + "; ".join(errs), file=sys.stderr)
         return 2
-    tuning = P.tuning_specs(size)
-    main_guess = P.main_specs(size, {m: size.grid()[0] for m in size.methods})
+    pilots = P.pilot_specs(size) if size.pilot_lrs else []
+    planned = P.with_overrides(size, lr_grid=(*size.lr_grid, max(size.pilot_lrs))) if pilots else size
+    tuning = P.tuning_specs(planned)
+    main_guess = P.main_specs(planned, {m: planned.grid()[0] for m in planned.methods})
     tuned_cells = {(t.method, t.eta, t.seed) for t in tuning}  # main runs the tuning phase already made
     main_new = [m for m in main_guess if (m.method, m.eta, m.seed) not in tuned_cells]
-    total = len(tuning) + len(main_new)
-    budget = P.estimate_s([*tuning, *main_new], size, STEP_S, EVAL_S, OVERHEAD_S)
-    n_abl = len({s.method for s in main_guess if s.method in size.ablations})
-    print(f"plan ({size.name}): {len(tuning)} tuning runs (grid {[g.label for g in size.grid()]} at eta {size.tune_eta}, "
-          f"seeds {list(size.tune_seeds)}), {len(main_guess)} main runs ({len(size.methods)} methods x etas "
-          f"{list(size.etas)} x {len(size.seeds)} seeds{', sync at eta 0 only' if 'sync' in size.methods else ''}, {n_abl} ablations at eta "
-          f"{size.tune_eta}), {total} distinct runs of {size.steps} steps; estimated {budget / 60:.0f} min on a "
-          f"quiet 2-core machine", flush=True)
+    total = len(pilots) + len(tuning) + len(main_new)
+    budget = P.estimate_s([*pilots, *tuning, *main_new], planned, STEP_S, EVAL_S, OVERHEAD_S)
+    print(_plan_line(planned, pilots, tuning, main_guess, total, budget), flush=True)
     if args.plan:
         return 0
-    bad = _preflight(args, size, [*tuning, *main_guess])
+    bad = _preflight(args, planned, [*pilots, *tuning, *main_guess])
     if bad:
         print(f"compare_async: {bad}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     drv = Driver(args, size, total)
+    size, pilot, stop = _pilot(drv, size)
+    if stop:
+        print(f"compare_async: {stop}", file=sys.stderr)
+        return 2
     tuned = drv.run(tuning)
     best, scores = P.best_settings(size, tuned)
     for m in size.methods:
         if m not in best:
             drv.failed.append(f"{m}: no tuning run finished, so it has no learning rate and was not run")
-    print("tuned: " + ", ".join(f"{m} {g.label}" for m, g in best.items()), flush=True)
+    if size.tune:
+        print("tuned: " + ", ".join(f"{m} {g.label}" for m, g in best.items()), flush=True)
     results = drv.run(P.main_specs(size, best))
-    report = build_report(results, size, best, scores, tuned)
+    report = build_report(results, size, best if size.tune else {}, scores, tuned, pilot)
     report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "out": os.path.abspath(args.out)})
     text = markdown(report)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
@@ -175,9 +218,29 @@ def main(argv: list[str] | None = None) -> int:
     report = finite(report)  # intervals of a single seed are NaN: null in JSON
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1, allow_nan=False)
+    if args.publish:
+        publish(args.out, args.publish)
     print(text, flush=True)
     print(json.dumps(report, allow_nan=False))
     return 0 if not drv.failed else 1
+
+
+def _plan_line(size: P.Size, pilots, tuning, main_guess, total: int, budget: float) -> str:
+    n_abl = len({s.method for s in main_guess if s.method in size.ablations})
+    pilot = (f"{len(pilots)} pilot runs ({size.pilot_method}, {size.pilot_steps} steps at rates "
+             f"{list(size.pilot_lrs)}; the grid's last rate stands for the pilot's choice), " if pilots else "")
+    if size.tune:
+        phase = (f"{len(tuning)} tuning runs (grid {[g.label for g in size.grid()]} at eta {size.tune_eta}, "
+                 f"seeds {list(size.tune_seeds)}), ")
+        cells = f"{len(size.methods)} methods x etas {list(size.etas)} x {len(size.seeds)} seeds"
+    else:
+        phase = ""
+        cells = (f"{len(size.methods)} methods x etas {list(size.etas)} x rates {list(size.lr_grid)} x "
+                 f"{len(size.seeds)} seeds")
+    sync = ", sync at eta 0 only" if "sync" in size.methods else ""
+    return (f"plan ({size.name}): {pilot}{phase}{len(main_guess)} main runs ({cells}{sync}, {n_abl} ablations at "
+            f"eta {size.tune_eta}), {total} distinct runs of {size.steps} steps; estimated {budget / 60:.0f} min "
+            f"on a quiet 2-core machine")
 
 
 if __name__ == "__main__":

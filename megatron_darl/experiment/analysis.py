@@ -12,9 +12,16 @@ Definitions (the README's Results section quotes them):
 - AUC: mean held-out accuracy over the first X generated samples (trapezoids, curve starting at
   the warm start), X the smallest sample count any run of that eta's table reached, so every
   row integrates over the same sample budget;
-- samples to 80%: generated samples at which a seed's curve first reaches 80% of the best
-  decoupled accuracy (the highest seed-mean accuracy either decoupled variant reached at that
-  eta), linear between evaluations; mean over the seeds that reached it, with how many did;
+- accuracy at the budget: held-out accuracy at X (the same X as the AUC's), linear between the
+  two evaluations around X;
+- samples to 80%: generated samples of the first evaluation at which a seed's accuracy reaches
+  80% of the best decoupled accuracy (the highest seed-mean accuracy either decoupled variant
+  reached at that eta): a measured point, not interpolated between evaluations (an upper bound
+  on the crossing, resolved to the evaluation interval); mean over the seeds that reached it,
+  with how many did, and how many of those at the first evaluation (where it says nothing);
+- paired tests: per seed, the difference of a figure between D-ARL and another method at the
+  same setting (same warm start, seed and data); two-sided paired t-test of the mean
+  difference, p-values Holm-corrected over every comparison of the report;
 - collapse: a seed whose last evaluation is more than `COLLAPSE_DROP` below the warm start's
   accuracy, or that logged a non-finite loss;
 - minimum ESS: the smallest per-step ESS fraction (`algo/ess_frac`) of any seed.
@@ -69,15 +76,61 @@ def auc(x: list[float], y: list[float], x_max: float) -> float:
     return area / (x_max - xs[0])
 
 
-def first_reach(x: list[float], y: list[float], threshold: float) -> float | None:
-    """Smallest x at which the piecewise-linear curve reaches `threshold`; None if it never does."""
-    if y[0] >= threshold:
-        return float(x[0])
-    for i in range(1, len(y)):
-        if y[i] >= threshold:
-            frac = (threshold - y[i - 1]) / (y[i] - y[i - 1])
-            return float(x[i - 1] + frac * (x[i] - x[i - 1]))
+def first_reach(x: list[float], y: list[float], threshold: float) -> tuple[float, int] | None:
+    """`(x[i], i)` of the first evaluation `i` whose accuracy reaches `threshold` (a measured point,
+    never interpolated: between two evaluations nothing was measured); None if none does."""
+    for i, v in enumerate(y):
+        if v >= threshold:
+            return float(x[i]), i
     return None
+
+
+def accuracy_at(x: list[float], y: list[float], budget: float) -> float:
+    """Accuracy at `budget` samples, linear between the evaluations around it."""
+    return float(np.interp(budget, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)))
+
+
+def t_pvalue(t: float, df: int) -> float:
+    """Two-sided p-value of Student's t with integer `df` (Abramowitz & Stegun 26.7.3-4)."""
+    if df < 1 or not math.isfinite(t):
+        return float("nan") if df < 1 or math.isnan(t) else 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2:  # odd: 2/pi (theta + sin cos (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ...)), df - 3 powers
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        inside = 2.0 / math.pi * (theta + s * math.cos(theta) * total)
+    else:  # even: sin (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ...), df - 2 powers
+        term, total = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        inside = s * total
+    return max(0.0, 1.0 - inside)
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (same order; NaN stays NaN and does not count)."""
+    idx = sorted((i for i, p in enumerate(pvalues) if not math.isnan(p)), key=lambda i: pvalues[i])
+    out, running = [float("nan")] * len(pvalues), 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (len(idx) - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def paired_test(a: dict[int, float], b: dict[int, float]) -> dict:
+    """Paired t-test of `a - b` over the seeds both have: mean difference, its 95% interval, p."""
+    seeds = sorted(set(a) & set(b))
+    d = np.array([a[s] - b[s] for s in seeds], dtype=np.float64)
+    mean, lo, hi = mean_interval(d.tolist())
+    if d.size < 2:
+        return {"seeds": len(seeds), "diff": mean, "diff_ci95": [lo, hi], "p": float("nan")}
+    sd = float(d.std(ddof=1))
+    t = mean / (sd / math.sqrt(d.size)) if sd > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
+    return {"seeds": len(seeds), "diff": mean, "diff_ci95": [lo, hi], "p": t_pvalue(t, d.size - 1)}
 
 
 def band(curves: list[tuple[list[float], list[float]]], points: int = 50) -> dict[str, list[float]]:
@@ -105,12 +158,21 @@ def best_decoupled(runs: list[RunResult]) -> float | None:
     return best
 
 
+DRIFT = ("clip_frac", "ess_oldest", "kl_k3", "reused_frac")  # RunResult fields: means over steps
+
+
+def _mean_of(runs: list[RunResult], name: str) -> float | None:
+    vals = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+    return float(np.mean(vals)) if vals else None
+
+
 def cell_figures(runs: list[RunResult], x_common: float, threshold: float | None) -> dict:
     """The table row of one (method, eta) from its seeds."""
     final = mean_interval([r.final_accuracy for r in runs])
     aucs = mean_interval([auc(r.curve.samples, r.curve.accuracy, x_common) for r in runs])
+    at_budget = mean_interval([accuracy_at(r.curve.samples, r.curve.accuracy, x_common) for r in runs])
     reach = [first_reach(r.curve.samples, r.curve.accuracy, threshold) for r in runs] if threshold is not None else []
-    reached = [s for s in reach if s is not None]
+    reached = [s for s, _ in filter(None, reach)]
     stale_mean = [r.staleness_mean for r in runs if r.staleness_mean is not None]
     stale_max = [r.staleness_max for r in runs if r.staleness_max is not None]
     ess = [r.ess_min for r in runs if r.ess_min is not None]
@@ -120,6 +182,9 @@ def cell_figures(runs: list[RunResult], x_common: float, threshold: float | None
         "auc": aucs[0], "auc_ci95": [aucs[1], aucs[2]],
         "samples_to_threshold": float(np.mean(reached)) if reached else None,
         "reached_threshold": len(reached),
+        "reached_at_first_eval": sum(i <= 1 for _, i in filter(None, reach)),
+        "accuracy_at_budget": at_budget[0], "accuracy_at_budget_ci95": [at_budget[1], at_budget[2]],
+        **{name: _mean_of(runs, name) for name in DRIFT},
         "collapses": sum(collapsed(r) for r in runs),
         "ess_min": min(ess) if ess else None,
         "staleness_mean": float(np.mean(stale_mean)) if stale_mean else None,

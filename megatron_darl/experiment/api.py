@@ -92,24 +92,32 @@ def method_window(method: str, eta: int) -> int | None:
 class RunSpec:
     """One `darl-train` run of the experiment; a tuning run whose settings a main run repeats is
     the same run (same name, done once). `minibatches` None keeps the recipe's
-    `algo.ppo_n_minibatches`."""
+    `algo.ppo_n_minibatches`. `pilot_steps`: a pilot run of its own length (evaluated once, at
+    its end), named apart from the main runs."""
 
     method: str
     eta: int
     lr: float
     seed: int
     minibatches: int | None = None
+    pilot_steps: int | None = None
 
     @property
     def name(self) -> str:
         mb = f"_mb{self.minibatches}" if self.minibatches else ""
-        return f"{self.method}_eta{self.eta}_lr{self.lr:g}{mb}_s{self.seed}"
+        pilot = f"pilot{self.pilot_steps}_" if self.pilot_steps else ""
+        return f"{pilot}{self.method}_eta{self.eta}_lr{self.lr:g}{mb}_s{self.seed}"
+
+    def length(self, steps: int, every: int) -> tuple[int, int]:
+        """(train.steps, eval.every_steps) of this run, given the experiment's."""
+        return (self.pilot_steps, self.pilot_steps) if self.pilot_steps else (steps, every)
 
     @property
     def setting(self) -> "Setting":
         return Setting(self.lr, self.minibatches)
 
     def overrides(self, steps: int, every: int) -> list[str]:
+        steps, every = self.length(steps, every)
         m = METHODS[self.method]
         out = list(m.overrides)
         if not m.eta_free:
@@ -160,6 +168,11 @@ class RunResult:
     samples_generated: float
     steps_per_s: float
     run_cost: dict | None = None  # wall_s, cpu_s (all processes) and load of the run's own invocation
+    # drift diagnostics, means over the steps that log them (None where none does):
+    clip_frac: float | None = None  # share of tokens the PPO clip acts on (`train/clip_frac`)
+    ess_oldest: float | None = None  # ESS fraction of the step's oldest behavior version (`algo/ess_frac/v{k}`)
+    kl_k3: float | None = None  # KL(mu || pi_prox) estimate k3 over the batch (`algo/kl_k3`)
+    reused_frac: float | None = None  # share of trained groups trained before (`replay/reused_frac`)
 
     @property
     def final_accuracy(self) -> float:

@@ -1,10 +1,13 @@
 """Which runs the experiment makes: sizes, the learning-rate tuning phase and the main grid.
 
 What it is: `Size` (methods, etas, seeds, steps, the learning-rate grid, the tuning eta and
-seeds, and the run settings every run shares), the two sizes `SIZES["quick"]` (CI: checks that
-the outputs exist and are well-formed) and `SIZES["default"]` (the comparison, about 90
-minutes on a quiet 2-core machine), `tuning_specs` / `best_settings` / `main_specs`, and
-`estimate_s`, the time budget of a plan from measured per-step timings.
+seeds, and the run settings every run shares), three sizes: `SIZES["seeds"]` (the comparison in
+the seeds' regime, the script's default: eta = 1, K = 4, several minibatches, 3-term sums,
+60 steps, 4 seeds, two rates as a factor, the higher one from a short pilot: `pilot_specs`,
+`pilot_choice`; under 95 minutes on a quiet 2-core machine), `SIZES["etas"]` (every method
+tuned, at eta = 1, 2, 4, 8, and D-ARL's ablations: the earlier comparison, about 2 hours) and
+`SIZES["quick"]` (CI: checks that the outputs exist and are well-formed); `tuning_specs` /
+`best_settings` / `main_specs`, and `estimate_s`, the time budget of a plan from per-step timings.
 
 The tuning protocol (the same for every method): each main method runs once per setting of the
 grid (learning rates x, optionally, `algo.ppo_n_minibatches` values) at the tuning eta with the
@@ -38,6 +41,12 @@ class Size:
     every: int  # eval.every_steps
     settings: tuple[str, ...] = field(default=())  # overrides every run of this size shares
     mb_grid: tuple[int, ...] = ()  # algo.ppo_n_minibatches values tuned with the rate; (): the recipe's
+    tune: bool = True  # False: no tuning; every method runs at every setting of the grid (a factor)
+    pilot_lrs: tuple[float, ...] = ()  # candidates for a higher rate, tried in a short pilot (see pilot_choice)
+    pilot_steps: int = 0
+    pilot_method: str = "decoupled_areal"
+    pilot_clip: float = 0.03  # the pilot's rate: the smallest on which the PPO clip acts on this share of tokens
+    warm_range: tuple[float, float] | None = None  # the warm start's accuracy must lie in it (else stop)
 
     def grid(self) -> list[Setting]:
         return [Setting(lr, mb) for lr in sorted(self.lr_grid) for mb in (sorted(self.mb_grid) or (None,))]
@@ -59,6 +68,8 @@ class Size:
             errs.append("empty learning-rate grid")
         if any(mb < 1 for mb in self.mb_grid):
             errs.append(f"minibatch grid {self.mb_grid}: each must be >= 1")
+        if self.pilot_lrs and (self.pilot_steps < 1 or self.pilot_method not in METHODS or self.tune):
+            errs.append("a pilot needs pilot_steps >= 1, a known pilot_method and an untuned grid (tune=False)")
         return errs
 
 
@@ -70,16 +81,30 @@ class Size:
 # engines run eta versions ahead, as a learner on its own (busy) hardware would.
 _SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=500", "train.min_step_s=1.0")
 
+# The seeds' regime (docs/ALGORITHM.md, "The comparison suite"): one-step-off (eta = 1) with
+# D-ARL's window K = 4 (3 replay versions) for D-ARL and the two replay baselines, several
+# minibatch updates per step so that the PPO clip can act, a task whose curve keeps rising past
+# 25 steps (3-term chain_sum from a warm start of 10-35%), and two learning rates as a factor:
+# the recipe's and the smallest of `pilot_lrs` on which the clip acts on >= 3% of tokens in a
+# short pilot. No tuning: every cell runs at both rates, and the tests pair seeds.
+_SEEDS_REGIME = (*_SETTINGS, "algo.ppo_n_minibatches=4", "data.dataset_kwargs.min_terms=3",
+                 "data.dataset_kwargs.max_terms=3", "train.sft_steps=400")
+
 SIZES: dict[str, Size] = {
     "quick": Size(
-        name="quick", methods=("sync", "darl"), ablations=(), etas=(1, 2),
+        name="quick", methods=("sync", "naive_replay", "decoupled_replay", "darl"), ablations=(), etas=(1,),
         seeds=(0, 1), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=4, every=2,
         settings=("train.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40", "data.eval_size=40",
                   "replay.warmup=0", "logging.tensorboard=false", "train.min_step_s=0.5")),
-    "default": Size(
-        name="default", methods=tuple(MAIN_METHODS), ablations=tuple(ABLATIONS), etas=(1, 2, 4, 8),
+    "etas": Size(
+        name="etas", methods=tuple(MAIN_METHODS), ablations=tuple(ABLATIONS), etas=(1, 2, 4, 8),
         seeds=(0, 1, 2), lr_grid=(2.5e-5, 5e-5, 1e-4), tune_eta=4, tune_seeds=(0,), steps=25, every=5,
         settings=_SETTINGS),
+    "seeds": Size(
+        name="seeds", methods=("decoupled_areal", "naive_replay", "decoupled_replay", "darl"), ablations=(),
+        etas=(1,), seeds=(0, 1, 2, 3), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=60, every=10,
+        settings=_SEEDS_REGIME, tune=False, pilot_lrs=(1e-4, 2e-4, 4e-4), pilot_steps=12,
+        warm_range=(0.10, 0.35)),
 }
 
 
@@ -92,11 +117,25 @@ def _eta_of(method: str, eta: int) -> int:
     return 0 if METHODS[method].eta_free else eta
 
 
+def pilot_specs(size: Size) -> list[RunSpec]:
+    """The pilot: `pilot_method` for `pilot_steps` steps at each of `pilot_lrs`, first eta, first seed."""
+    return [RunSpec(size.pilot_method, size.etas[0], lr, size.seeds[0], pilot_steps=size.pilot_steps)
+            for lr in sorted(size.pilot_lrs)]
+
+
+def pilot_choice(size: Size, pilots: list[RunResult]) -> tuple[float | None, dict[str, float | None]]:
+    """The smallest pilot rate whose mean clip fraction reaches `pilot_clip` (None if none does),
+    and every pilot rate's clip fraction."""
+    clip = {f"{r.spec.lr:g}": r.clip_frac for r in sorted(pilots, key=lambda r: r.spec.lr)}
+    ok = [r.spec.lr for r in pilots if r.clip_frac is not None and r.clip_frac >= size.pilot_clip]
+    return (min(ok) if ok else None), clip
+
+
 def tuning_specs(size: Size) -> list[RunSpec]:
     """One run per (main method, grid setting, tuning seed) at the tuning eta; none when the grid
-    holds one setting (nothing to choose)."""
+    holds one setting (nothing to choose) or the size is not tuned."""
     grid = size.grid()
-    if len(grid) < 2:
+    if len(grid) < 2 or not size.tune:
         return []
     return [RunSpec(m, _eta_of(m, size.tune_eta), g.lr, s, g.minibatches) for m in size.methods for g in grid
             for s in size.tune_seeds]
@@ -131,6 +170,9 @@ def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
     """Every main method at its best setting, every eta and seed; ablations at the tuning eta
     with the setting of the method they vary."""
     specs: list[RunSpec] = []
+    if not size.tune:  # every method at every setting: the rate is a factor of the design
+        return [RunSpec(m, e, g.lr, s, g.minibatches) for g in size.grid() for m in size.methods
+                for e in ([0] if METHODS[m].eta_free else size.etas) for s in size.seeds]
     for m in [m for m in size.methods if m in best]:
         etas = [0] if METHODS[m].eta_free else list(size.etas)
         specs += [RunSpec(m, eta, best[m].lr, s, best[m].minibatches) for eta in etas for s in size.seeds]
@@ -148,5 +190,8 @@ def estimate_s(specs: list[RunSpec], size: Size, step_s: dict[str, float], eval_
     """Seconds for `specs` from per-step times by method (`step_s`, "*" as the fallback), the
     time of one in-loop evaluation and a fixed per-run overhead (start-up, evaluation before and
     after, export, teardown)."""
-    evals = size.steps // size.every
-    return sum(overhead_s + evals * eval_s + size.steps * step_s.get(s.method, step_s["*"]) for s in specs)
+    total = 0.0
+    for s in specs:
+        steps, every = s.length(size.steps, size.every)
+        total += overhead_s + steps // every * eval_s + steps * step_s.get(s.method, step_s["*"])
+    return total

@@ -1,8 +1,9 @@
 """The experiment's outputs: markdown tables, PNG plots of the curves, one JSON document.
 
-What it is: `build_report(results, size, best, tuning_scores, tuning_results)` -> the JSON-able
-figures of every table (per eta: the main methods, with sync as the eta = 0 reference; the
-ablations at the tuning eta; the tuning grid) and every run's curve; `markdown(report)` -> the
+What it is: `build_report(results, size, best, tuning_scores, tuning_results, pilot)` -> the
+JSON-able figures of every table (per eta, or per eta and rate where the rate is a factor: the
+main methods, with sync as the eta = 0 reference, and D-ARL's seed-paired tests against each of
+them, Holm-corrected; the ablations at the tuning eta; the tuning grid) and every run's curve; `markdown(report)` -> the
 tables as markdown; and `plot_curves(results, size, out_dir)`, which writes one PNG per x axis
 (training steps, generated samples, training wall-clock without evaluation time), one panel per
 eta, each method as its mean over seeds with a min-max band.
@@ -14,21 +15,69 @@ from __future__ import annotations
 import math
 import os
 
-from megatron_darl.experiment.analysis import COLLAPSE_DROP, THRESHOLD_FRAC, band, eta_figures
+from megatron_darl.experiment.analysis import (
+    COLLAPSE_DROP,
+    THRESHOLD_FRAC,
+    accuracy_at,
+    auc,
+    band,
+    eta_figures,
+    holm,
+    paired_test,
+)
 from megatron_darl.experiment.api import METHODS, REPLAY_DEPTH, RunResult, Setting, darl_window
 from megatron_darl.experiment.plan import Size
 
 AXES = {"steps": "training steps", "samples": "generated samples", "wall_s": "training wall-clock (s, eval excluded)"}
 
 
-def build_report(results: list[RunResult], size: Size, best: dict[str, Setting], tuning_scores: dict,
-                 tuning_results: list[RunResult] = ()) -> dict:
-    """Every figure of the tables (keyed by eta, as a string, for JSON) and every run's curve."""
-    sync = [r for r in results if r.spec.method == "sync"]
-    tables = {}
+def _groups(results: list[RunResult], size: Size) -> list[tuple[str, str, list[RunResult]]]:
+    """(key, title, runs) of each main table: one per eta (tuned sizes: each method at its own
+    setting) or one per (eta, rate) where the rate is a factor (`size.tune` false); sync, at
+    eta = 0, joins every table of its rate."""
+    out = []
     for eta in size.etas:
-        runs = [r for r in results if r.spec.eta == eta and not METHODS[r.spec.method].ablation] + sync
-        tables[str(eta)] = eta_figures(runs, list(size.methods))
+        mine = [r for r in results
+                if (r.spec.eta == eta or r.spec.method == "sync") and not METHODS[r.spec.method].ablation]
+        if size.tune:
+            out.append((str(eta), f"eta = {eta}", mine))
+            continue
+        for lr in sorted({r.spec.lr for r in mine}):
+            out.append((f"{eta}/lr{lr:g}", f"eta = {eta}, lr {lr:g}", [r for r in mine if r.spec.lr == lr]))
+    return out
+
+
+FIGURES = ("accuracy_at_budget", "auc", "final_accuracy")  # the decided figures, in that order
+
+
+def paired_tests(runs: list[RunResult], x_common: float, reference: str = "darl") -> list[dict]:
+    """D-ARL against every other method of a table, per figure, paired by seed (p not corrected)."""
+    def per_seed(method: str, fig: str) -> dict[int, float]:
+        fn = {"accuracy_at_budget": lambda r: accuracy_at(r.curve.samples, r.curve.accuracy, x_common),
+              "auc": lambda r: auc(r.curve.samples, r.curve.accuracy, x_common),
+              "final_accuracy": lambda r: r.final_accuracy}[fig]
+        return {r.spec.seed: fn(r) for r in runs if r.spec.method == method}
+
+    others = [m for m in dict.fromkeys(r.spec.method for r in runs) if m not in (reference, "sync")]
+    if not any(r.spec.method == reference for r in runs):
+        return []
+    return [{"method": m, "figure": f, **paired_test(per_seed(reference, f), per_seed(m, f))}
+            for m in others for f in FIGURES]
+
+
+def build_report(results: list[RunResult], size: Size, best: dict[str, Setting], tuning_scores: dict,
+                 tuning_results: list[RunResult] = (), pilot: dict | None = None) -> dict:
+    """Every figure of the tables (keyed by eta, or eta/rate, as a string, for JSON), the paired
+    tests (Holm-corrected over all of them), and every run's curve."""
+    tables = {}
+    for key, title, runs in _groups(results, size):
+        fig = eta_figures(runs, list(size.methods))
+        fig["title"] = title
+        fig["tests"] = paired_tests(runs, fig["x_common"]) if fig["x_common"] is not None else []
+        tables[key] = fig
+    tests = [t for fig in tables.values() for t in fig["tests"]]
+    for t, p in zip(tests, holm([t["p"] for t in tests])):
+        t["p_holm"] = p
     abl_runs = [r for r in results if r.spec.eta == size.tune_eta and
                 (METHODS[r.spec.method].ablation or r.spec.method == "darl")]
     ablations = eta_figures(abl_runs + [r for r in results if r.spec.eta == size.tune_eta and
@@ -37,11 +86,13 @@ def build_report(results: list[RunResult], size: Size, best: dict[str, Setting],
     return {
         "size": size.name, "steps": size.steps, "eval_every": size.every, "etas": list(size.etas),
         "seeds": list(size.seeds), "lr_grid": list(size.lr_grid), "tune_eta": size.tune_eta,
+        "tuned_per_method": size.tune,
         "mb_grid": list(size.mb_grid), "grid": [g.label for g in size.grid()], "settings": list(size.settings),
         "tuned": {m: {"lr": g.lr, "minibatches": g.minibatches, "label": g.label} for m, g in best.items()},
-        "tuning_auc": tuning_scores,
+        "tuning_auc": tuning_scores, "pilot": pilot,
         "tables": tables, "ablations": ablations,
-        "definitions": {"collapse_drop": COLLAPSE_DROP, "threshold_frac": THRESHOLD_FRAC},
+        "definitions": {"collapse_drop": COLLAPSE_DROP, "threshold_frac": THRESHOLD_FRAC, "figures": list(FIGURES),
+                        "tests": "paired t-test over seeds, two-sided, Holm-corrected over every test of the report"},
         "runs": [_run_json(r) for r in results],
         "tuning_runs": [_run_json(r) for r in tuning_results if r.spec.name not in {x.spec.name for x in results}],
     }
@@ -52,6 +103,7 @@ def _run_json(r: RunResult) -> dict:
             "minibatches": r.spec.minibatches, "seed": r.spec.seed, "final_accuracy": r.final_accuracy,
             "staleness_mean": r.staleness_mean, "staleness_max": r.staleness_max, "ess_min": r.ess_min,
             "train_wall_s": r.train_wall_s, "samples_generated": r.samples_generated, "cost": r.run_cost,
+            "clip_frac": r.clip_frac, "ess_oldest": r.ess_oldest, "kl_k3": r.kl_k3, "reused_frac": r.reused_frac,
             "curve": {"steps": r.curve.steps, "samples": r.curve.samples, "wall_s": r.curve.wall_s,
                       "accuracy": r.curve.accuracy}}
 
@@ -85,13 +137,42 @@ def _table(fig: dict, tuned: dict[str, dict]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in fig["rows"].items():
         setting = tuned.get(name) or tuned.get(METHODS[name].tune_as or name) or {"label": "-"}
-        reach = f"{_num(row['samples_to_threshold'], '.0f')} ({row['reached_threshold']}/{row['seeds']})"
+        reach = (f"{_num(row['samples_to_threshold'], '.0f')} ({row['reached_threshold']}/{row['seeds']}, "
+                 f"{row['reached_at_first_eval']} at the 1st evaluation)")
         stale = f"{_num(row['staleness_mean'], '.2f')} / {_num(row['staleness_max'], '.0f')}"
         lines.append(f"| {METHODS[name].label} | {setting['label']} | {_pct(row['final_accuracy'], row['final_accuracy_ci95'])} "
                      f"| {_pct(row['auc'], row['auc_ci95'])} | {reach} | {row['collapses']}/{row['seeds']} "
                      f"| {_num(row['ess_min'], '.3f')} | {stale} | {_num(row['train_wall_s'], '.0f')} "
                      f"| {_num(row['samples_generated'], '.0f')} |")
     return lines
+
+
+def _factor_table(fig: dict) -> list[str]:
+    """A table of one (eta, rate): the decided figures, then the drift diagnostics beside them."""
+    lines = ["| method | accuracy at the budget % [95% CI] | AUC % [95% CI] | final accuracy % [95% CI] "
+             "| clip frac | ESS oldest version | KL k3 | reused share | staleness mean / max | collapses |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in fig["rows"].items():
+        lines.append(f"| {METHODS[name].label} | {_pct(row['accuracy_at_budget'], row['accuracy_at_budget_ci95'])} "
+                     f"| {_pct(row['auc'], row['auc_ci95'])} "
+                     f"| {_pct(row['final_accuracy'], row['final_accuracy_ci95'])} "
+                     f"| {_num(row['clip_frac'], '.3f')} | {_num(row['ess_oldest'], '.3f')} "
+                     f"| {_num(row['kl_k3'], '.2e')} | {_num(row['reused_frac'], '.2f')} "
+                     f"| {_num(row['staleness_mean'], '.2f')} / {_num(row['staleness_max'], '.0f')} "
+                     f"| {row['collapses']}/{row['seeds']} |")
+    return lines
+
+
+def _tests_table(tests: list[dict]) -> list[str]:
+    if not tests:
+        return []
+    lines = ["D-ARL minus each method, paired by seed (points; p two-sided, Holm over the whole report):", "",
+             "| method | figure | difference [95% CI] | seeds | p | p Holm |", "|---|---|---|---|---|---|"]
+    for t in tests:
+        diff = _pct(t["diff"], t["diff_ci95"])
+        lines.append(f"| {METHODS[t['method']].label} | {t['figure'].replace('_', ' ')} | {diff} | {t['seeds']} "
+                     f"| {_num(t['p'], '.3f')} | {_num(t.get('p_holm'), '.3f')} |")
+    return [*lines, ""]
 
 
 def _caption(fig: dict) -> str:
@@ -104,13 +185,14 @@ def markdown(report: dict) -> str:
     best = report["tuned"]
     out = [f"# D-ARL comparison ({report['size']}: {report['steps']} steps, evaluation every "
            f"{report['eval_every']}, seeds {report['seeds']})", ""]
-    for eta, fig in report["tables"].items():
-        out += [f"## eta = {eta}", "", _caption(fig), "", *_table(fig, best), ""]
+    for fig in report["tables"].values():
+        table = _table(fig, best) if report["tuned_per_method"] else _factor_table(fig)
+        out += [f"## {fig['title']}", "", _caption(fig), "", *table, "", *_tests_table(fig["tests"])]
     if report["ablations"]["rows"] and len(report["ablations"]["rows"]) > 1:
         k = darl_window(report["tune_eta"])
         out += [f"## D-ARL ablations (eta = {report['tune_eta']})", "",
-                _caption(report["ablations"]) + f" D-ARL's own window here is K = {k} (replay depth {REPLAY_DEPTH}): its row is that depth's "
-                "ablation.",
+                _caption(report["ablations"]) + f" D-ARL's own window here is K = {k} (replay depth "
+                f"{REPLAY_DEPTH}): its row is that depth's ablation.",
                 "",
                 *_table(report["ablations"], best), ""]
     if report["tuning_auc"]:
@@ -133,16 +215,17 @@ def plot_curves(results: list[RunResult], size: Size, out_dir: str) -> list[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(f"eta = {eta}", [m for m in size.methods], eta) for eta in size.etas]
+    panels = [(title, list(size.methods), runs) for _, title, runs in _groups(results, size)]
     if size.ablations:
-        panels.append((f"D-ARL ablations, eta = {size.tune_eta}", ["darl", *size.ablations], size.tune_eta))
+        panels.append((f"D-ARL ablations, eta = {size.tune_eta}", ["darl", *size.ablations],
+                       [r for r in results if r.spec.eta == size.tune_eta]))
     paths = []
     colors = plt.get_cmap("tab20")
     for axis, xlabel in AXES.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=True)
-        for ax, (title, methods, eta) in zip(axes[0], panels):
+        for ax, (title, methods, pool) in zip(axes[0], panels):
             for m in methods:
-                runs = [r for r in results if r.spec.method == m and r.spec.eta == (0 if METHODS[m].eta_free else eta)]
+                runs = [r for r in pool if r.spec.method == m]
                 if not runs:
                     continue
                 b = band([(getattr(r.curve, axis), r.curve.accuracy) for r in runs])

@@ -129,6 +129,26 @@ def _finite(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
+def _mean(values) -> float | None:
+    vals = [v for v in (_finite(x) for x in values) if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _oldest_ess(row: dict) -> float | None:
+    """`algo/ess_frac/v{k}` of the smallest (oldest) version k the step trained on."""
+    per = {int(k.rsplit("/v", 1)[1]): v for k, v in row.items() if k.startswith("algo/ess_frac/v")}
+    return per[min(per)] if per else None
+
+
+def drift_diagnostics(rows: list[dict]) -> dict:
+    """Means over the steps of the PPO clip fraction, the oldest version's ESS fraction, the
+    k3 KL estimate and the reused share of the batch (RunResult's drift fields)."""
+    return {"clip_frac": _mean(r.get("train/clip_frac") for r in rows),
+            "ess_oldest": _mean(_oldest_ess(r) for r in rows),
+            "kl_k3": _mean(r.get("algo/kl_k3") for r in rows),
+            "reused_frac": _mean(r.get("replay/reused_frac") for r in rows)}
+
+
 def read_result(spec: RunSpec, run_dir: str) -> RunResult:
     """The measurements of a finished run. The curve starts at the launcher's evaluation of the
     warm start (step 0, 0 samples, 0 s); the other points are the loop's own evaluations."""
@@ -161,7 +181,7 @@ def read_result(spec: RunSpec, run_dir: str) -> RunResult:
     last_samples = max((float(r["eval/samples_generated"]) for r in rows if "eval/samples_generated" in r),
                        default=math.nan)
     return RunResult(
-        spec=spec, curve=curve,
+        spec=spec, curve=curve, **drift_diagnostics(rows),
         staleness_mean=sum(stale_mean) / len(stale_mean) if stale_mean else None,
         staleness_max=max(stale_max) if stale_max else None,
         ess_min=min(ess) if ess else None,

@@ -1,7 +1,8 @@
 """`scripts/compare_async.py --quick` end to end: real `darl-train` runs into a temporary folder,
 then the outputs a user reads are there and well-formed -- a markdown table per eta whose rows
-are the methods run, the three PNG plots, `results.json` and the same JSON object as the last
-line of stdout, with a curve point for every evaluation -- and a second invocation reuses every
+are the methods run (sync, the two replay baselines, D-ARL), D-ARL's paired tests, the three PNG
+plots, `results.json` and the same JSON object as the last line of stdout, with a curve point for
+every evaluation -- and a second invocation reuses every
 finished run (nothing is run twice). Checks the form of the outputs, not which method wins."""
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def check_outputs(out: str, stdout: str) -> dict:
     with open(os.path.join(out, "results.json")) as fh:
         saved = json.load(fh)
     assert last == saved and last["failed"] == []
-    methods = ["sync", "darl"]
-    assert sorted(last["tables"]) == ["1", "2"]
+    methods = ["sync", "naive_replay", "decoupled_replay", "darl"]
+    assert sorted(last["tables"]) == ["1"]
     for eta, table in last["tables"].items():
         assert list(table["rows"]) == methods
         for name, row in table["rows"].items():
@@ -40,13 +41,16 @@ def check_outputs(out: str, stdout: str) -> dict:
             assert 0.0 <= row["auc"] <= 1.0 and row["train_wall_s"] > 0 and row["samples_generated"] > 0
             assert row["staleness_max"] == 0 if name == "sync" else row["staleness_max"] >= 0
     runs = {r["name"]: r for r in last["runs"]}
-    assert len(runs) == 2 + 2 * 2  # sync once per seed (eta 0), D-ARL at two etas x two seeds
+    assert len(runs) == 2 + 3 * 2  # sync once per seed (eta 0), the replay methods at eta 1 x two seeds
+    # the replay baselines and D-ARL replay over K = 4 (3 versions beyond eta = 1)
+    assert any(r["reused_frac"] for r in runs.values() if r["method"] != "sync")
+    assert all(r["clip_frac"] is not None and r["kl_k3"] is not None for r in runs.values())
     with open(os.path.join(out, "results.md")) as fh:
         md = fh.read()
-    for eta in ("1", "2"):
-        section = md.split(f"## eta = {eta}\n", 1)[1].split("\n## ", 1)[0]
-        rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
-        assert len(rows) == 2 and all(line.count("|") == 11 for line in rows), section
+    section = md.split("## eta = 1\n", 1)[1].split("\n## ", 1)[0].split("D-ARL minus")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 4 and all(line.count("|") == 11 for line in rows), section
+    assert len(last["tables"]["1"]["tests"]) == 2 * 3  # D-ARL paired with each replay baseline on three figures
     for axis in ("steps", "samples", "wall_s"):
         path = os.path.join(out, f"curves_{axis}.png")
         assert path in last["plots"] and os.path.getsize(path) > 10_000

@@ -29,10 +29,32 @@ def test_auc_is_the_mean_of_the_curve_over_the_common_budget():
     assert A.auc(x, y, 400) == pytest.approx((30 + 70 + 40) / 400)  # trapezoids by hand
 
 
-def test_first_reach_interpolates_between_evaluations():
-    assert A.first_reach([0, 100, 200], [0.2, 0.3, 0.5], 0.4) == pytest.approx(150.0)
+def test_first_reach_is_a_measured_evaluation_not_an_interpolation():
+    """Samples to a threshold: the first evaluation that reached it (between evaluations nothing
+    was measured; interpolating from the warm start put every crossing before the first one)."""
+    assert A.first_reach([0, 100, 200], [0.2, 0.3, 0.5], 0.4) == (200.0, 2)
+    assert A.first_reach([0, 100, 200], [0.2, 0.45, 0.5], 0.4) == (100.0, 1)
     assert A.first_reach([0, 100], [0.2, 0.3], 0.4) is None
-    assert A.first_reach([0, 100], [0.5, 0.3], 0.4) == 0.0
+    assert A.first_reach([0, 100], [0.5, 0.3], 0.4) == (0.0, 0)
+    assert A.accuracy_at([0, 100, 200], [0.2, 0.3, 0.5], 150) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7])
+def test_t_pvalue_against_the_density(df):
+    for p in (0.05,):
+        assert A.t_pvalue(_t975(df), df) == pytest.approx(p, abs=1e-4)
+    assert A.t_pvalue(0.0, df) == pytest.approx(1.0)
+    assert A.t_pvalue(math.inf, df) == 0.0
+
+
+def test_holm_and_paired_tests():
+    assert A.holm([0.01, 0.04, 0.03, math.nan]) == pytest.approx([0.03, 0.06, 0.06, math.nan], nan_ok=True)
+    assert A.holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+    t = A.paired_test({0: 0.5, 1: 0.6, 2: 0.7, 3: 0.65}, {0: 0.4, 1: 0.45, 2: 0.62, 3: 0.6, 9: 0.0})
+    d = np.array([0.1, 0.15, 0.08, 0.05])
+    assert t["seeds"] == 4 and t["diff"] == pytest.approx(d.mean())
+    tstat = d.mean() / (d.std(ddof=1) / 2)
+    assert t["p"] < 0.05 and tstat > A.t95(3) and t["diff_ci95"][0] > 0
 
 
 def _t975(df: int) -> float:
@@ -72,13 +94,50 @@ def test_eta_figures_threshold_and_rows():
     assert fig["x_common"] == 180.0
     darl = fig["rows"]["darl"]
     assert darl["final_accuracy"] == pytest.approx(0.25) and darl["collapses"] == 1 and darl["ess_min"] == 0.5
-    # seed 0 crosses 0.28 at 100 * 0.08 / 0.2 = 40 samples, seed 1 at 100 * 0.08 / 0.1 = 80
-    assert darl["samples_to_threshold"] == pytest.approx(60.0) and darl["reached_threshold"] == 2
+    # both seeds first measure >= 0.28 at their first evaluation (100 samples)
+    assert darl["samples_to_threshold"] == pytest.approx(100.0) and darl["reached_threshold"] == 2
+    assert darl["reached_at_first_eval"] == 2
+    assert darl["accuracy_at_budget"] == pytest.approx(np.mean([0.4 + 0.8 * 0.05, 0.3 - 0.8 * 0.25]))  # at 180
     assert set(fig["rows"]) == {"sync", "decoupled_areal", "darl"}
 
 
+def test_the_seeds_plan_pilot_and_budget():
+    from megatron_darl.experiment.plan import estimate_s, pilot_choice, pilot_specs
+
+    size = SIZES["seeds"]
+    assert size.check() == [] and not tuning_specs(size)
+    assert set(size.methods) == {"decoupled_areal", "naive_replay", "decoupled_replay", "darl"}
+    assert size.etas == (1,) and len(size.seeds) == 4 and size.steps == 60
+    assert "algo.ppo_n_minibatches=4" in size.settings
+    for m in ("naive_replay", "decoupled_replay", "darl"):  # K = 4: three replay versions
+        assert "replay.k=4" in RunSpec(m, 1, 5e-5, 0).overrides(60, 10)
+    pilots = pilot_specs(size)
+    assert [p.lr for p in pilots] == sorted(size.pilot_lrs) and all(p.name.startswith("pilot") for p in pilots)
+    assert "train.steps=12" in pilots[0].overrides(size.steps, size.every)
+    results = [_run("decoupled_areal", [0.2, 0.3]) for _ in pilots]
+    for r, p, clip in zip(results, pilots, (0.01, 0.04, 0.09)):
+        r.spec, r.clip_frac = p, clip
+    assert pilot_choice(size, results)[0] == sorted(size.pilot_lrs)[1]
+    grown = with_overrides(size, lr_grid=(*size.lr_grid, 2e-4))
+    specs = main_specs(grown, {})
+    assert len(specs) == 4 * 2 * 4 and {s.lr for s in specs} == {5e-5, 2e-4}
+    script = _script()  # the budget --plan prints
+    assert estimate_s([*pilots, *specs], grown, script.STEP_S, script.EVAL_S, script.OVERHEAD_S) <= 95 * 60
+
+
+def _script():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts", "compare_async.py")
+    spec = importlib.util.spec_from_file_location("compare_async", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_best_learning_rate_by_auc_and_ties_to_the_smaller():
-    size = with_overrides(SIZES["default"], methods=["decoupled_areal", "darl"], lr_grid=[1e-5, 2e-5, 4e-5])
+    size = with_overrides(SIZES["etas"], methods=["decoupled_areal", "darl"], lr_grid=[1e-5, 2e-5, 4e-5])
     tuning = [_run("decoupled_areal", [0.2, 0.3], lr=1e-5), _run("decoupled_areal", [0.2, 0.4], lr=2e-5),
               _run("decoupled_areal", [0.2, 0.1], lr=4e-5),
               _run("darl", [0.2, 0.3], lr=1e-5), _run("darl", [0.2, 0.3], lr=2e-5), _run("darl", [0.2, 0.2], lr=4e-5)]
@@ -90,7 +149,7 @@ def test_best_learning_rate_by_auc_and_ties_to_the_smaller():
 
 
 def test_the_default_plan_covers_every_cell_once():
-    size = SIZES["default"]
+    size = SIZES["etas"]
     tune = tuning_specs(size)
     assert len(tune) == len(size.methods) * len(size.lr_grid) * len(size.tune_seeds)
     assert {s.eta for s in tune if s.method != "sync"} == {size.tune_eta} and {s.eta for s in tune if s.method == "sync"} == {0}
@@ -122,7 +181,7 @@ def test_run_overrides_set_eta_window_and_learning_rate():
 
 
 def test_minibatches_are_tuned_with_the_rate_when_asked():
-    size = with_overrides(SIZES["default"], methods=["naive"], ablations=[], lr_grid=[1e-4, 5e-5], mb_grid=[2, 1])
+    size = with_overrides(SIZES["etas"], methods=["naive"], ablations=[], lr_grid=[1e-4, 5e-5], mb_grid=[2, 1])
     assert [g.label for g in size.grid()] == ["lr 5e-05, 1 mb", "lr 5e-05, 2 mb", "lr 0.0001, 1 mb", "lr 0.0001, 2 mb"]
     tune = tuning_specs(size)
     assert {(s.lr, s.minibatches) for s in tune} == {(5e-5, 1), (5e-5, 2), (1e-4, 1), (1e-4, 2)}
@@ -142,4 +201,4 @@ def test_the_pacing_setting_is_checked_and_the_default_size_paces():
     with pytest.raises(ConfigError, match="train.min_step_s"):
         load_config("configs/cpu_demo_darl.yaml", ["train.min_step_s=-1"])
     assert load_config("configs/cpu_demo_darl.yaml", []).train.min_step_s == 0.0  # off unless asked
-    assert "train.min_step_s=1.0" in SIZES["default"].settings
+    assert "train.min_step_s=1.0" in SIZES["etas"].settings

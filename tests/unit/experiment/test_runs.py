@@ -29,7 +29,9 @@ def _write_run(run_dir: str, steps: int = 4, every: int = 2, final_version: int 
     for step in range(steps):
         r = {"step": step, "time": 3.0 * (step + 1), "train/loss": "nan" if nan_loss and step == 1 else 0.1,
              "algo/staleness/batch/mean": 0.5 * step, "algo/staleness/batch/max": float(step),
-             "algo/ess_frac": 1.0 - 0.1 * step}
+             "algo/ess_frac": 1.0 - 0.1 * step, "train/clip_frac": 0.01 * step, "algo/kl_k3": 0.001,
+             "replay/reused_frac": 0.25 * (step > 1), f"algo/ess_frac/v{step}": 1.0,
+             **({f"algo/ess_frac/v{step - 2}": 0.5 - 0.1 * step} if step >= 2 else {})}
         if (step + 1) % every == 0:
             r.update({"eval/accuracy": 0.2 + 0.05 * (step + 1), "eval/version": float(step + 1),
                       "eval/samples_generated": 100.0 * (step + 1), "eval/wall_s": 2.0 * (step + 1),
@@ -67,6 +69,9 @@ def test_read_result_curve_and_diagnostics(tmp_path):
     assert r.curve.accuracy == pytest.approx([0.2, 0.3, 0.4]) and r.curve.wall_s == [0.0, 4.0, 8.0]
     assert r.staleness_mean == pytest.approx(0.75) and r.staleness_max == 3.0 and r.ess_min == pytest.approx(0.7)
     assert r.train_wall_s == pytest.approx(12.0 - 1.0) and not r.nonfinite_loss
+    # drift diagnostics: means over steps; the oldest version's ESS is v{step-2} once there is one
+    assert r.clip_frac == pytest.approx(0.015) and r.kl_k3 == pytest.approx(0.001)
+    assert r.reused_frac == pytest.approx(0.125) and r.ess_oldest == pytest.approx((1 + 1 + 0.3 + 0.2) / 4)
     _write_run(run, nan_loss=True)
     assert read_result(SPEC, run).nonfinite_loss
 
@@ -76,3 +81,37 @@ def test_read_result_names_a_run_without_evaluations(tmp_path):
     _write_run(run, every=5)  # steps=4: no evaluation inside the loop
     with pytest.raises(RunFailed, match="no evaluation during training"):
         read_result(SPEC, run)
+
+
+def test_report_of_the_seeds_size_tables_tests_and_drift(tmp_path):
+    """Per (eta, rate) table with the decided figures and the drift diagnostics, D-ARL's paired
+    tests against each method with Holm-corrected p-values, in markdown and JSON."""
+    from megatron_darl.experiment.api import Curve, RunResult
+    from megatron_darl.experiment.plan import SIZES, with_overrides
+    from megatron_darl.experiment.report import build_report, markdown
+
+    size = with_overrides(SIZES["seeds"], lr_grid=(5e-5, 2e-4))
+    results = []
+    for lr in size.lr_grid:
+        for m, gain in (("decoupled_areal", 0.0), ("naive_replay", -0.02), ("decoupled_replay", 0.01), ("darl", 0.03)):
+            for seed in size.seeds:
+                acc = [0.2, 0.25 + gain + 0.01 * seed, 0.3 + gain + 0.005 * seed]
+                curve = Curve([0.0, 30.0, 60.0], [0.0, 900.0 + seed, 1800.0 + seed], [0.0, 40.0, 80.0], acc)
+                results.append(RunResult(RunSpec(m, 1, lr, seed), curve, 0.8, 4.0, 0.6, 80.0, False, 1800.0, 0.7,
+                                         clip_frac=0.04, ess_oldest=0.9, kl_k3=1e-3,
+                                         reused_frac=0.3 * (m != "decoupled_areal")))
+    rep = build_report(results, size, {}, {}, [], pilot={"rate": 2e-4})
+    assert list(rep["tables"]) == ["1/lr5e-05", "1/lr0.0002"]
+    fig = rep["tables"]["1/lr5e-05"]
+    assert fig["x_common"] == 1800.0 and fig["rows"]["darl"]["accuracy_at_budget"] == pytest.approx(0.3375, abs=1e-3)
+    tests = fig["tests"]
+    others = ("decoupled_areal", "naive_replay", "decoupled_replay")
+    figures = ("accuracy_at_budget", "auc", "final_accuracy")
+    assert {(t["method"], t["figure"]) for t in tests} == {(m, f) for m in others for f in figures}
+    final = next(t for t in tests if t["method"] == "naive_replay" and t["figure"] == "final_accuracy")
+    assert final["diff"] == pytest.approx(0.05) and final["seeds"] == 4
+    all_tests = [t for f in rep["tables"].values() for t in f["tests"]]
+    assert len(all_tests) == 18 and all(t["p_holm"] >= t["p"] for t in all_tests)
+    md = markdown(rep)
+    assert "## eta = 1, lr 5e-05" in md and "## eta = 1, lr 0.0002" in md and "p Holm" in md
+    assert "| D-ARL (K = eta + 3) |" in md and "ESS oldest version" in md
