@@ -42,7 +42,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.experiment.api import METHODS  # noqa: E402
+from megatron_darl.experiment.api import METHODS, method_window  # noqa: E402
 from megatron_darl.experiment.runs import child_env, prepare_warm_start  # noqa: E402
 
 
@@ -147,8 +147,9 @@ def main() -> int:
             for eta in etas:
                 over = [o for o in METHODS[method].overrides if not o.startswith("staleness.")]
                 over += [f"staleness.max_head_offpolicyness={eta}", f"train.steps={args.steps}", *args.extra]
-                if method == "darl":
-                    over.append(f"replay.k={max(2, eta)}")
+                k = method_window(method, eta)  # the suite's window, K = eta + replay depth (None: no replay)
+                if k is not None:
+                    over.append(f"replay.k={k}")
                 rows = run(args.out, f"{method}_eta{eta}_r{rnd}", args.config, warm, over, args.run_timeout)
                 ph = phases(rows, args.skip, group_size)
                 results[method][eta].append(ph)
