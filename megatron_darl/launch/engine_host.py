@@ -38,6 +38,9 @@ from megatron_darl.run_info import RunInfo, read_marker, wait_for_run_info
 PROBE = ".probe"  # in the weights folder: the session writes the attempt id, every host reads it back
 QUICK_DEATH_S = 30.0  # an engine that dies this soon after its start, RESTART_LIMIT times in a row, is broken
 RESTART_LIMIT = 3
+# engines are on this node or another node of the job, never behind the proxy a site exports
+# (urllib's default opener honours http_proxy even for 127.0.0.1 when no_proxy is unset)
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def probe_path(weights_root: str) -> str:
@@ -94,7 +97,7 @@ def healthy(url: str, api_key: str | None = None) -> bool:
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with DIRECT.open(req, timeout=10) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -157,7 +160,7 @@ class EngineHost:
 
     def _start(self, spec: EngineSpec, generation: int) -> None:
         port = free_port(self.bind)
-        child = self.sup.start(f"engine{spec.index}", spec.command(self.bind, port), env=spec.env(),
+        child = self.sup.start(f"engine{spec.index}", spec.command(self.bind, port), env=spec.env((self.bind, self.address)),
                                essential=False, critical=False)
         url = f"http://{self.address}:{port}"
         old = self.engines.get(spec.index)

@@ -25,6 +25,7 @@ from megatron_darl.rollout.weight_notice import read_json, write_json_atomic
 
 EMBEDDED_MODULE = "megatron_darl.rollout.engine_server"  # darl-engine
 SGLANG_MODULE = "sglang.launch_server"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -57,8 +58,10 @@ class EngineSpec:
             argv += ["--api-key", self.api_key]
         return argv + list(self.extra_args)
 
-    def env(self) -> dict[str, str]:
-        out = {"OMP_NUM_THREADS": str(self.threads)}
+    def env(self, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+        """What the engine's environment adds to its host's; `hosts` are the addresses it is
+        reached at (bind and announced), kept off any proxy with loopback."""
+        out = {"OMP_NUM_THREADS": str(self.threads), **no_proxy_env(hosts)}
         if self.gpus:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         return out
@@ -81,6 +84,18 @@ def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
                                 threads=rc.engine_threads, api_key=rc.api_key, tp=per if mine else 1, gpus=mine,
                                 extra_args=list(cfg.launch.engine_args), python=python))
     return specs
+
+
+def no_proxy_env(hosts: tuple[str, ...] = (), environ: Any = None) -> dict[str, str]:
+    """`no_proxy` and `NO_PROXY`, both set to the environment's entries plus loopback and `hosts`.
+    HPC sites export `http_proxy` on compute nodes, and an SGLang server warms itself up with
+    `requests` at 127.0.0.1 (its own `/model_info` and `/generate`): through a proxy those fail
+    and the server kills itself. Nothing an engine does needs a proxy."""
+    environ = os.environ if environ is None else environ
+    entries = [e.strip() for key in ("no_proxy", "NO_PROXY") for e in environ.get(key, "").split(",")]
+    entries += list(LOOPBACK) + [h for h in hosts if h]
+    merged = ",".join(dict.fromkeys(e for e in entries if e))
+    return {"no_proxy": merged, "NO_PROXY": merged}
 
 
 # ---- announcements --------------------------------------------------------------------------
