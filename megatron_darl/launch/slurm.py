@@ -93,11 +93,14 @@ def job_script(cfg: RunConfig, folder: Path, submit_command: str) -> str:
     group0 = "--het-group=0 " if het else ""
     if het:
         lines += ["# component 1: one engine host per rollout node; it waits for the session's run info",
-                  f'srun --het-group=1 --unbuffered --kill-on-bad-exit=1 --ntasks-per-node=1 --open-mode=append '
+                  f'srun --het-group=1 --cpus-per-task={lc.rollout.cpus_per_task} --unbuffered --kill-on-bad-exit=1 '
+                  f'--ntasks-per-node=1 --open-mode=append '
                   f'--output="$RUN_DIR/logs/engine_host%t.out" {python} -u -m megatron_darl.launch.engine_host '
                   f'--run-info "$RUN_DIR/run_info.json" &', "ROLLOUT=$!"]
+    # every srun names its CPUs: Slurm 22.05-23.02 do not pass the job's --cpus-per-task on to
+    # srun, which would pin each task (8 SGLang servers, or manager + reward workers) to one core
     lines += ["# component 0: one task per learner rank; global rank 0 runs the session",
-              f"srun {group0}--unbuffered --kill-on-bad-exit=1 --open-mode=append --output={folder}/%j_%t_log.out "
+              f"srun {group0}--cpus-per-task={lc.trainer.cpus_per_task} --unbuffered --kill-on-bad-exit=1 --open-mode=append --output={folder}/%j_%t_log.out "
               f"--error={folder}/%j_%t_log.err {submit_command}", "rc=$?"]
     if het:
         lines += ['echo "$ATTEMPT" > "$RUN_DIR/engines/stop"  # engine hosts stop (the session also says so)',

@@ -88,3 +88,27 @@ def test_overall_state_of_the_components():
     assert overall(["COMPLETED", "FAILED"]) == "FAILED"
     assert overall(["REQUEUED", "CANCELLED"]) == "REQUEUED"
     assert overall([]) == "UNKNOWN"
+
+
+def _srun_lines(script: str) -> list[str]:
+    """Each srun command of a bash script, continuation lines joined."""
+    joined = script.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines() if line.strip().startswith("srun ")]
+
+
+def test_every_srun_names_its_cpus():
+    """Slurm 22.05-23.02 do not pass the job's --cpus-per-task on to srun: every task would be
+    pinned to one core (8 SGLang servers, or the manager with its reward workers)."""
+    s = _script("launch.rollout_nodes=1", "launch.trainer={cpus_per_task: 12}", "launch.rollout={cpus_per_task: 96}")
+    engines, learners = _srun_lines(s)
+    assert "--het-group=1 --cpus-per-task=96" in engines and "--het-group=0 --cpus-per-task=12" in learners
+    (one,) = _srun_lines(_script("launch.trainer={cpus_per_task: 7}"))
+    assert "--cpus-per-task=7" in one
+
+
+def test_every_srun_of_the_sbatch_scripts_names_its_cpus():
+    scripts = sorted((Path(__file__).resolve().parents[3] / "slurm").glob("*.sbatch"))
+    assert len(scripts) >= 3
+    for path in scripts:
+        lines = _srun_lines(path.read_text())
+        assert lines and all("--cpus-per-task=" in line for line in lines), (path.name, lines)
