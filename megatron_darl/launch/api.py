@@ -108,7 +108,7 @@ class Placement(Protocol):
 
     attempt: str  # this execution of the run (see RunInfo.attempt)
 
-    def rendezvous(self) -> tuple[str, int]: ...  # (MASTER_ADDR, MASTER_PORT) for the learner ranks
+    def rendezvous(self) -> tuple[str, int]: ...  # (MASTER_ADDR, MASTER_PORT); port 0: rank 0 binds one
 
     def start_engines(self, info: RunInfo) -> None: ...  # engine hosts that announce in info.engines_dir
 

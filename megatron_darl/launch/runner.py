@@ -37,12 +37,16 @@ def run(cfg: RunConfig) -> int:
     return run_local(cfg)
 
 
-def learner_env(rank: int, world: int, addr: str, port: int, local_rank: int | None = None,
+def learner_env(rank: int, world: int, info: RunInfo, local_rank: int | None = None,
                 local_world: int | None = None, threads: int = 1) -> dict[str, str]:
-    """The torchrun-style environment of learner rank `rank`."""
+    """The torchrun-style environment of learner rank `rank`. MASTER_PORT=0: rank 0 binds a port
+    when it starts and publishes it in `info.rendezvous_file` (learner/parallel.py)."""
+    from megatron_darl.learner.parallel import RENDEZVOUS_ENV
+
     return {"RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
             "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)}
+            "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port),
+            RENDEZVOUS_ENV: info.rendezvous_file, "OMP_NUM_THREADS": str(threads)}
 
 
 class LocalPlacement:
@@ -54,9 +58,7 @@ class LocalPlacement:
         self.learners: list[Child] = []
 
     def rendezvous(self) -> tuple[str, int]:
-        from megatron_darl.launch.engine_host import free_port
-
-        return "127.0.0.1", free_port("127.0.0.1")
+        return "127.0.0.1", 0  # learner rank 0 binds the port itself
 
     def start_engines(self, info: RunInfo) -> None:
         if info.engine_urls:  # SGLang servers someone else runs
@@ -76,7 +78,7 @@ class LocalPlacement:
     def start_learners(self, info: RunInfo) -> None:
         world = info.learner_world
         self.learners = [self.sup.start(f"learner{r}", [PY, "-m", TRAINER_MODULE, "--run-info", info.path],
-                                        env=learner_env(r, world, info.master_addr, info.master_port))
+                                        env=learner_env(r, world, info))
                          for r in range(world)]
 
     def wait_learners(self, timeout_s: float | None = None) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from megatron_darl.config import ConfigError, RunConfig, load_config, preflight
-from megatron_darl.launch.engine_host import bind_address, free_port, node_address, slurm_attempt
+from megatron_darl.launch.engine_host import node_address, slurm_attempt
 from megatron_darl.launch.local import ChildFailed, Supervisor
 from megatron_darl.launch.runner import ENGINE_HOST_MODULE, PY, TRAINER_MODULE, LocalPlacement, learner_env
 from megatron_darl.rollout.engine_command import stop_path
@@ -76,7 +76,7 @@ class SlurmPlacement(LocalPlacement):
         self.address = node_address()
 
     def rendezvous(self) -> tuple[str, int]:
-        return self.address, free_port(bind_address(self.address))
+        return self.address, 0  # learner rank 0 binds the port itself when it starts
 
     def start_engines(self, info: RunInfo) -> None:
         if info.engine_urls or self.cfg.launch.rollout_nodes:  # someone else's, or the rollout component's
@@ -109,7 +109,7 @@ class SlurmPlacement(LocalPlacement):
 
 def task_env(t: SlurmTask, info: RunInfo, cfg: RunConfig) -> dict[str, str]:
     threads = 1 if cfg.launch.trainer.gpus_per_node else cfg.launch.trainer.cpus_per_task
-    return learner_env(t.rank, t.world, info.master_addr, info.master_port, t.local_rank, t.local_world, threads)
+    return learner_env(t.rank, t.world, info, t.local_rank, t.local_world, threads)
 
 
 class TrainerTask(Checkpointable):

@@ -9,7 +9,9 @@ What it is not: a launcher. Processes are started by `launch/` or by the CLI's s
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +20,8 @@ import torch.distributed as dist
 
 from megatron_darl.learner.api import ParallelConfig
 from megatron_darl.learner import cpu_compat
+
+RENDEZVOUS_ENV = "DARL_RENDEZVOUS_FILE"  # where learner rank 0 publishes the port it bound (MASTER_PORT=0)
 
 
 @dataclass
@@ -76,10 +80,7 @@ def init_parallel(cfg: ParallelConfig, seed: int, timeout_s: float = 600.0) -> P
         cpu_compat.apply_cpu_compat()
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-        dist.init_process_group(_backend(cfg, on_gpu), timeout=timedelta(seconds=timeout_s))
+        init_world(_backend(cfg, on_gpu), timeout_s)
     world = dist.get_world_size()
     dp = cfg.dp(world)
     if cfg.vpp is not None and not on_gpu:
@@ -105,6 +106,50 @@ def init_parallel(cfg: ParallelConfig, seed: int, timeout_s: float = 600.0) -> P
         dp_rank=ps.get_data_parallel_rank(),
         pg=pg,
     )
+
+
+def init_world(backend: str, timeout_s: float) -> None:
+    """torch.distributed's default group from the torchrun-style environment. With
+    `DARL_RENDEZVOUS_FILE` set and MASTER_PORT=0 (what the launcher gives), rank 0 binds its store
+    on a port the OS picks and publishes it in that file; the other ranks read it there. A port
+    picked by the launcher long before rank 0 binds it can be taken meanwhile on a busy node."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    timeout = timedelta(seconds=timeout_s)
+    path = os.environ.get(RENDEZVOUS_ENV)
+    if not path or os.environ.get("MASTER_PORT", "0") != "0":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rendezvous_store(path, os.environ["MASTER_ADDR"], rank, world, timeout_s)
+    os.environ["MASTER_PORT"] = str(store.port)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def rendezvous_store(path: str, addr: str, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: a TCPStore on a port bound now, written to `path`; the others: a client of it,
+    once `path` exists (on the run folder every node shares), waiting at most `timeout_s`."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(addr, 0, world, True, timeout, wait_for_workers=False)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"addr": addr, "port": store.port}, fh)
+        os.replace(tmp, path)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                port = int(json.load(fh)["port"])
+            break
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"learner rank {rank}: rank 0 did not publish its rendezvous port in {path} "
+                                   f"within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+    return dist.TCPStore(addr, port, world, False, timeout)
 
 
 def destroy_parallel(keep_world: bool = False) -> None:
