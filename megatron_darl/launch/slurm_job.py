@@ -93,6 +93,11 @@ class SlurmPlacement(LocalPlacement):
         total = self.cfg.launch.trainer.gpus_per_node
         visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
         visible = visible or [str(i) for i in range(total)]
+        if total and len(visible) < total:  # one GPU per task: the engines' GPUs are not this task's
+            raise RuntimeError(f"launch.rollout_nodes=0 runs engines on the first trainer node's GPUs, but its "
+                               f"task sees {len(visible)} of launch.trainer.gpus_per_node={total} "
+                               f"(CUDA_VISIBLE_DEVICES={','.join(visible)}): request --gpus-per-node, not "
+                               "--gpus-per-task, for the trainer component")
         return visible[self.cfg.launch.learner_procs_per_node:] if total else []
 
     def start_learners(self, info: RunInfo) -> None:

@@ -74,7 +74,7 @@ def init_parallel(cfg: ParallelConfig, seed: int, timeout_s: float = 600.0) -> P
         raise ValueError(f"parallel.{field}: {msg}")
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_device(torch.cuda.device_count()))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         cpu_compat.apply_cpu_compat()
@@ -106,6 +106,23 @@ def init_parallel(cfg: ParallelConfig, seed: int, timeout_s: float = 600.0) -> P
         dp_rank=ps.get_data_parallel_rank(),
         pg=pg,
     )
+
+
+def local_device(visible: int, environ=os.environ) -> int:
+    """This rank's GPU among the `visible` ones the task sees. With every GPU of the node visible
+    (`--gpus-per-node`) it is LOCAL_RANK; with one per task (`--gpus-per-task=1`, `--gpu-bind`,
+    a per-rank CUDA_VISIBLE_DEVICES) it is that one, whatever LOCAL_RANK says."""
+    local_rank = int(environ.get("LOCAL_RANK", "0"))
+    if visible <= 0:
+        raise RuntimeError(f"learner rank (LOCAL_RANK={local_rank}) sees no GPU "
+                           f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise RuntimeError(f"LOCAL_RANK={local_rank}, but this task sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                       f"{environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}): give each learner rank one GPU "
+                       "(--gpus-per-task=1) or every rank all of the node's (--gpus-per-node)")
 
 
 def init_world(backend: str, timeout_s: float) -> None:

@@ -112,3 +112,18 @@ def test_every_srun_of_the_sbatch_scripts_names_its_cpus():
     for path in scripts:
         lines = _srun_lines(path.read_text())
         assert lines and all("--cpus-per-task=" in line for line in lines), (path.name, lines)
+
+
+def test_engines_beside_learners_take_the_gpus_the_learners_leave(monkeypatch):
+    import pytest
+
+    from megatron_darl.launch.slurm_job import SlurmPlacement, SlurmTask
+
+    cfg = load_config(None, ["model.hf_dir=/m", "launch.mode=slurm", "launch.rollout_nodes=0",
+                             "launch.learner_procs_per_node=4", "launch.trainer={gpus_per_node: 8}"])
+    placement = SlurmPlacement(cfg, None, SlurmTask(0, 4, 0, 4, "1", "1.0"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert placement.engine_gpus() == ["4", "5", "6", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # --gpus-per-task=1: rank 0's task sees its own GPU only
+    with pytest.raises(RuntimeError, match="sees 1 of launch.trainer.gpus_per_node=8.*--gpus-per-node"):
+        placement.engine_gpus()

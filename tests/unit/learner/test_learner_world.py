@@ -1,8 +1,12 @@
-"""Learner ranks meet on a port that learner rank 0 binds when it starts (real gloo processes).
+"""How a learner rank joins the world: the port it meets on and the GPU it takes.
+
+Learner ranks meet on a port that learner rank 0 binds when it starts (real gloo processes).
 
 Before, the launcher picked MASTER_PORT when it wrote the run-info record, minutes before rank 0
 bound it (warm start, engines, evaluation before RL in between): on a busy node another process
-could take it, and rank 0 failed with "address already in use" or the others joined a stranger."""
+could take it, and rank 0 failed with "address already in use" or the others joined a stranger.
+A rank takes its GPU from what its task sees: with one GPU per task (`--gpus-per-task=1`,
+`--gpu-bind`) LOCAL_RANK is not an index into the visible devices."""
 
 from __future__ import annotations
 
@@ -58,3 +62,23 @@ def test_a_rank_without_rank_0_names_the_file(tmp_path, monkeypatch):
     path = str(tmp_path / "rendezvous.x.json")
     with pytest.raises(TimeoutError, match="rendezvous.x.json"):
         rendezvous_store(path, "127.0.0.1", 1, 2, timeout_s=0.5)
+
+
+@pytest.mark.parametrize("local_rank,visible,env,expected", [
+    ("3", 8, "0,1,2,3,4,5,6,7", 3),  # --gpus-per-node=8: every rank sees the node's GPUs
+    ("3", 1, "3", 0),  # --gpus-per-task=1 / --gpu-bind: rank 3 sees one GPU, cuda:0 (before: set_device(3))
+    ("0", 1, "5", 0),
+])
+def test_the_gpu_is_picked_from_what_the_task_sees(local_rank, visible, env, expected):
+    from megatron_darl.learner.parallel import local_device
+
+    assert local_device(visible, {"LOCAL_RANK": local_rank, "CUDA_VISIBLE_DEVICES": env}) == expected
+
+
+def test_a_rank_beyond_the_visible_gpus_says_what_it_sees():
+    from megatron_darl.learner.parallel import local_device
+
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=5, but this task sees 4 GPUs .*'0,1,2,3'"):
+        local_device(4, {"LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    with pytest.raises(RuntimeError, match="sees no GPU"):
+        local_device(0, {"LOCAL_RANK": "0"})
