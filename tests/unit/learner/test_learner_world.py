@@ -82,3 +82,51 @@ def test_a_rank_beyond_the_visible_gpus_says_what_it_sees():
         local_device(4, {"LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     with pytest.raises(RuntimeError, match="sees no GPU"):
         local_device(0, {"LOCAL_RANK": "0"})
+
+
+WAITER = """
+import time, torch, torch.distributed as dist
+from megatron_darl.learner.collectives import broadcast_json
+from megatron_darl.learner.parallel import init_world
+from megatron_darl.learner_side import Preempted, Preemption, _StoppableLearner
+init_world("gloo", 2)  # a 2 s collective timeout stands for NCCL's 600 s
+main = dist.get_rank() == 0
+
+class Learner:
+    is_main = main
+    def broadcast_batch(self, batch):
+        return broadcast_json(batch, 0, None, torch.device("cpu"))
+
+learner, preempted = _StoppableLearner(Learner()), Preemption()
+for step in range(2):
+    if main:
+        time.sleep(4)  # waiting for a long first batch of rollouts
+    assert learner.broadcast_batch({"step": step} if main else None) == {"step": step}
+    if main:
+        time.sleep(4)  # evaluating between steps
+    assert preempted() is False
+if main:
+    time.sleep(3)  # preempted while waiting for rollouts
+    learner.send_stop(7)
+else:
+    try:
+        learner.broadcast_batch(None)
+        raise SystemExit("not released")
+    except Preempted as stop:
+        assert stop.step == 7
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.slow  # about 25 s: the main rank's waits are longer than the collective timeout
+@pytest.mark.timeout(120)
+def test_the_other_ranks_wait_for_the_main_one_outside_any_collective(tmp_path):
+    """Before, they waited in a broadcast (for the batch) or an all-reduce (the preemption flag,
+    while the main rank evaluated) and the collective's timeout killed the job."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+           "WORLD_SIZE": "2", "DARL_RENDEZVOUS_FILE": str(tmp_path / "rendezvous.json")}
+    procs = [subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all(o.rstrip().endswith("ok") for o in outs), outs
