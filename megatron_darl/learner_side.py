@@ -205,7 +205,8 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     if _world() > 1:
         rank_sync(alive)  # the other ranks check the launcher while they wait for the main one
     ckpt = RunCheckpointer(learner, feed, publisher, cfg.checkpoint_dir, info.status, cfg.rollout.group_size,
-                           cfg.checkpoint.keep_last, alive)
+                           cfg.checkpoint.keep_last, alive,
+                           save_budget_s=cfg.launch.signal_before_s if cfg.launch.mode == "slurm" else None)
     start = ckpt.resume(info.resume)
     publisher.publish(start)  # engines move to the policy being trained (v0, or the resumed one)
     tele = Telemetry(cfg.train.run_dir, cfg.train.steps, start_step=start, tensorboard=cfg.logging.tensorboard,

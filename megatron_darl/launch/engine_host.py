@@ -33,7 +33,7 @@ from megatron_darl.rollout.engine_command import (
     EngineAnnouncement, EngineSpec, announce, engine_specs, read_restart_request, stop_path,
 )
 from megatron_darl.rollout.weight_notice import write_json_atomic
-from megatron_darl.run_info import RunInfo, read_marker, wait_for_run_info
+from megatron_darl.run_info import RunInfo, read_marker, wait_for_run_info, write_marker
 
 PROBE = ".probe"  # in the weights folder: the session writes the attempt id, every host reads it back
 QUICK_DEATH_S = 30.0  # an engine that dies this soon after its start, RESTART_LIMIT times in a row, is broken
@@ -49,6 +49,11 @@ def probe_path(weights_root: str) -> str:
 
 def host_error_path(engines_dir: str, node: int) -> str:
     return os.path.join(engines_dir, f"host{node}.error")
+
+
+def host_starting_path(engines_dir: str, node: int) -> str:
+    """Holds the attempt once host `node` begins starting its engines (their budgets start then)."""
+    return os.path.join(engines_dir, f"host{node}.starting")
 
 
 def slurm_attempt() -> str | None:
@@ -103,9 +108,11 @@ def healthy(url: str, api_key: str | None = None) -> bool:
         return False
 
 
-def wait_healthy(url: str, child: Child, timeout_s: float, api_key: str | None, name: str) -> None:
-    """Until `url` is healthy; raises when `child` exits first or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
+def wait_healthy(url: str, child: Child, timeout_s: float, api_key: str | None, name: str,
+                 started: float | None = None) -> None:
+    """Until `url` is healthy; raises when `child` exits first or `timeout_s` passes since
+    `started` (the engine's own start, time.monotonic(); default now)."""
+    deadline = (time.monotonic() if started is None else started) + timeout_s
     while not healthy(url, api_key):
         code = child.poll()
         if code is not None:
@@ -153,6 +160,7 @@ class EngineHost:
                                f"there: train.run_dir must be on a file system all nodes share") from None
 
     def start_all(self) -> None:
+        write_marker(host_starting_path(self.info.engines_dir, self.node), self.info.attempt)
         for spec in self.specs:
             self._start(spec, 0)
         for index in sorted(self.engines):
@@ -171,7 +179,7 @@ class EngineHost:
 
     def _await_and_announce(self, index: int) -> None:
         e = self.engines[index]
-        wait_healthy(e.url, e.child, self.startup_timeout_s, self.api_key, f"engine {index}")
+        wait_healthy(e.url, e.child, self.startup_timeout_s, self.api_key, f"engine {index}", started=e.started)
         announce(self.info.engines_dir, EngineAnnouncement(
             attempt=self.info.attempt, index=index, url=e.url, pid=e.child.pid, node=node_name(),
             generation=e.generation, log=e.child.log_path, probe=self.probe))
@@ -257,7 +265,7 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
     python = engine_python(cfg)
     with Supervisor(info.log_dir, echo=None) as sup:
         host = EngineHost(info, engine_specs(cfg, indices, gpus, python), sup, node,
-                          args.address or node_address(), cfg.launch.startup_timeout_s, cfg.rollout.api_key)
+                          args.address or node_address(), cfg.launch.engine_startup_s(cfg.rollout.backend), cfg.rollout.api_key)
         try:
             host.check_weights_readable()
             if cfg.rollout.backend == "sglang" and not gpus:

@@ -131,7 +131,7 @@ def start_local_engines(cfg: RunConfig, sup: Supervisor) -> list[str]:
         child = sup.start(f"engine{spec.index}", spec.command("127.0.0.1", port), env=spec.env(("127.0.0.1",)))
         started.append((f"http://127.0.0.1:{port}", child))
     for i, (url, child) in enumerate(started):
-        wait_healthy(url, child, cfg.launch.startup_timeout_s, cfg.rollout.api_key, f"engine {i}")
+        wait_healthy(url, child, cfg.launch.engine_startup_s(cfg.rollout.backend), cfg.rollout.api_key, f"engine {i}")
     return [url for url, _ in started]
 
 

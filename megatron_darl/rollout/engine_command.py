@@ -43,6 +43,7 @@ class EngineSpec:
     gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES of this engine; [] on CPU
     extra_args: list[str] = field(default_factory=list)  # more flags for the server (launch.engine_args)
     python: str = sys.executable
+    cache_dir: str = ""  # SGLang: this server's own JIT cache folder (node-local), "" for darl-engine
 
     def command(self, host: str, port: int) -> list[str]:
         if self.backend == "sglang":
@@ -64,7 +65,24 @@ class EngineSpec:
         out = {"OMP_NUM_THREADS": str(self.threads), **no_proxy_env(hosts)}
         if self.gpus:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
+        if self.cache_dir:
+            out.update(sglang_cache_env(self.cache_dir))
         return out
+
+
+def sglang_cache_env(base: str) -> dict[str, str]:
+    """SGLang's JIT caches in `base`, laid out as sglang 0.5.23's `third_party_cache_defaults` lays
+    out SGLANG_CACHE_DIR, each set explicitly (SGLang only fills those left unset, so a site's
+    shared TRITON_CACHE_DIR would otherwise win): 8 cold servers of a node compiling into one
+    cache under ~/.cache, often on a network file system, race and stall each other."""
+    return {"SGLANG_CACHE_DIR": base, "TRITON_CACHE_DIR": os.path.join(base, "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(base, "inductor"), "CUDA_CACHE_PATH": os.path.join(base, "nv"),
+            "FLASHINFER_WORKSPACE_BASE": base}
+
+
+def engine_cache_root(configured: str = "") -> str:
+    """`launch.engine_cache_dir`, or a node-local default: $TMPDIR (else /tmp)/darl-sglang-cache-<uid>."""
+    return configured or os.path.join(os.environ.get("TMPDIR") or "/tmp", f"darl-sglang-cache-{os.getuid()}")
 
 
 def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
@@ -72,6 +90,7 @@ def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
     """The specs of engines `indices` of the run `cfg` (a RunConfig). On GPU nodes `gpus` are the
     node's devices for engines; engine k of this node gets `launch.engine_gpus` of them."""
     rc, per = cfg.rollout, max(1, cfg.launch.engine_gpus)
+    cache = engine_cache_root(cfg.launch.engine_cache_dir) if rc.backend == "sglang" else ""
     gpus = list(gpus or [])
     specs = []
     for k, index in enumerate(indices):
@@ -82,7 +101,8 @@ def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
         specs.append(EngineSpec(index=index, backend=rc.backend, model_dir=cfg.model.hf_dir,
                                 seed=cfg.train.seed + index, max_batch=rc.max_concurrent_per_engine,
                                 threads=rc.engine_threads, api_key=rc.api_key, tp=per if mine else 1, gpus=mine,
-                                extra_args=list(cfg.launch.engine_args), python=python))
+                                extra_args=list(cfg.launch.engine_args), python=python,
+                                cache_dir=os.path.join(cache, f"engine{k}") if cache else ""))
     return specs
 
 

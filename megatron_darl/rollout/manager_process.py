@@ -236,12 +236,12 @@ async def _aengines(cfg: Any, where: dict[str, Any], args: argparse.Namespace) -
     info = where["announced"]
     if info is not None:  # engine hosts run them, on this node or on rollout nodes
         restarter = AnnouncedEngineRestarter(info.engines_dir, info.attempt, make_client,
-                                             startup_timeout_s=cfg.launch.startup_timeout_s)
+                                             startup_timeout_s=cfg.launch.engine_startup_s(cfg.rollout.backend))
         return await restarter.aconnect(info.num_engines), restarter
     restarter = None
     if rc.backend == "torch":
         restarter = EmbeddedEngineRestarter(cfg.model.hf_dir, api_key=rc.api_key, threads=rc.engine_threads,
-                                            startup_timeout_s=cfg.launch.startup_timeout_s,
+                                            startup_timeout_s=cfg.launch.engine_startup_s(cfg.rollout.backend),
                                             request_timeout_s=rc.request_timeout_s,
                                             pids=dict(enumerate(args.engine_pid)), log_dir=where["log_dir"],
                                             max_batch=rc.max_concurrent_per_engine, seed=cfg.train.seed)
@@ -274,7 +274,7 @@ async def _amain(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(cfg.model.tokenizer_dir)
     loader = build_loader(cfg.data, tokenizer)
     engines, restarter = await _aengines(cfg, where, args)
-    ring = ShmRing.attach(where["ring"], timeout=cfg.launch.startup_timeout_s)
+    ring = ShmRing.attach(where["ring"], timeout=cfg.launch.engine_startup_s(cfg.rollout.backend))
     sink = RingSink(ring)
     pool = RewardPool(cfg.reward)
     scorer = RewardPoolScorer(pool, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))

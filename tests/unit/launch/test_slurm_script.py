@@ -62,6 +62,8 @@ def test_placement_problems_name_their_keys():
     assert any("weight_sync=shm" in p for p in problems("launch.rollout_nodes=1", "rollout.weight_sync=shm"))
     assert any("launch.rollout_nodes=0" in p for p in problems("launch.rollout_nodes=1", "rollout.backend=sglang",
                                                                  "rollout.engine_urls=[http://h:1]"))
+    assert any("launch.stop_timeout_s=300 > launch.signal_before_s=120" in p for p in problems(
+        "launch.signal_before_s=120"))  # the checkpoint started at Slurm's warning would be killed
     assert any("GPUs left by the learners" in p for p in problems(
         "rollout.backend=sglang", "launch.trainer.gpus_per_node=8", "launch.learner_procs_per_node=6",
         "rollout.num_engines=4"))
@@ -127,3 +129,15 @@ def test_engines_beside_learners_take_the_gpus_the_learners_leave(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # --gpus-per-task=1: rank 0's task sees its own GPU only
     with pytest.raises(RuntimeError, match="sees 1 of launch.trainer.gpus_per_node=8.*--gpus-per-node"):
         placement.engine_gpus()
+
+
+def test_a_node_local_run_folder_is_refused_before_submission(monkeypatch):
+    from megatron_darl.launch.slurm import run_dir_problem
+
+    cluster = ["gpu01", "gpu02"]
+    assert "node-local (under /tmp)" in run_dir_problem("/tmp/runs/x", cluster)
+    assert "train.run_dir=/dev/shm/r" in run_dir_problem("/dev/shm/r", cluster)
+    monkeypatch.setenv("TMPDIR", "/scratch/job7")
+    assert "under /scratch/job7" in run_dir_problem("/scratch/job7/run", cluster)
+    assert run_dir_problem("/work/runs/x", cluster) is None
+    assert run_dir_problem("/tmp/runs/x", ["localhost"]) is None  # every node is this machine: nothing is local

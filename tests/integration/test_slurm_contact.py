@@ -1,4 +1,5 @@
-"""Every task the jobs start gets the CPUs its component asked for, on a real Slurm cluster.
+"""What a real Slurm cluster meets first, on a real Slurm cluster: every task the jobs start gets
+the CPUs its component asked for, and a job sbatch refuses comes back in sbatch's own words.
 
 Slurm 22.05-23.02 (the local test cluster runs 22.05) do not pass the job's `--cpus-per-task` on
 to `srun`: a step without the flag gives each task one CPU, so 8 SGLang servers (or the manager,
@@ -85,3 +86,15 @@ def test_sbatch_scripts_give_each_component_its_cpus(tmp_path, script, args, exp
                   {"PYTHON": str(fake), "SGLANG_PYTHON": str(fake), "RUN_DIR": str(tmp_path / "run")})
     assert res.returncode == 0, res.stderr + _log(tmp_path)
     assert _seen(record) == expected, _log(tmp_path)
+
+
+def test_sbatch_errors_come_back_as_its_own_words(tmp_path, capsys):
+    """Before, a job sbatch refused came back as submitit's traceback."""
+    from megatron_darl.launch.slurm import run_slurm
+
+    cfg = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path / 'run'}", "launch.mode=slurm",
+                             "launch.trainer={partition: no_such_partition}"])
+    assert run_slurm(cfg) == 1
+    err = capsys.readouterr().err
+    assert "darl-train: sbatch refused the job" in err and "invalid partition" in err.lower(), err
+    assert "Traceback" not in err
