@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from megatron_darl.launch.engine_env import check_sglang_python, engine_python
 from megatron_darl.launch.local import Child, Supervisor, _signal_group
 from megatron_darl.rollout.engine_command import (
     EngineAnnouncement, EngineSpec, announce, engine_specs, read_restart_request, stop_path,
@@ -283,32 +284,6 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
             return 1
         host.log("stop marker: stopping the engines")
     return 0
-
-
-def engine_python(cfg) -> str:
-    """The interpreter that runs this node's engines: SGLang's own environment for SGLang servers
-    (`launch.engine_python`), megatron-darl's for `darl-engine`."""
-    own = cfg.launch.python or sys.executable
-    return (cfg.launch.engine_python or own) if cfg.rollout.backend == "sglang" else own
-
-
-def check_sglang_python(python: str, timeout_s: float = 120.0) -> None:
-    """Refuse, naming the interpreter and the key, an SGLang environment that is missing or holds
-    another release than the one the client is tested against."""
-    from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
-
-    probe = [python, "-c", "import sglang; print(sglang.__version__)"]
-    try:
-        out = subprocess.run(probe, capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeError(f"cannot run the SGLang interpreter {python!r} (launch.engine_python): {exc}") from exc
-    if out.returncode != 0:
-        raise RuntimeError(f"{python!r} cannot import sglang (launch.engine_python; install "
-                           f"requirements-sglang.txt in that environment): {out.stderr.strip()[-300:]}")
-    found = out.stdout.strip()
-    if found != SGLANG_VERSION:
-        raise RuntimeError(f"{python!r} has sglang {found}; the client speaks sglang {SGLANG_VERSION} "
-                           f"(requirements-sglang.txt, launch.engine_python)")
 
 
 def _stop_if_marked(engines_dir: str, attempt: str | None) -> None:
