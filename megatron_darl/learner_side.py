@@ -218,10 +218,9 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info, evaluator)
 
 
-def learner_main(argv: list[str] | None = None) -> int:
-    """Entry of one learner rank (started by the launcher with torchrun-style env vars)."""
-    from megatron_darl.train import train_loop
-
+def learner_main(train_loop: Callable[..., int], argv: list[str] | None = None) -> int:
+    """Entry of one learner rank (started by the launcher with torchrun-style env vars) around
+    `train_loop` (train.py's, which calls this as its `__main__`: this module does not import it)."""
     p = argparse.ArgumentParser(prog="python -m megatron_darl.train")
     p.add_argument("--run-info", required=True, help="the run's run_info.json (ring, notice, weights, resume)")
     p.add_argument("--config", default=None, help="a resolved config (default: the one the run info names)")

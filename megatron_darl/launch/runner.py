@@ -1,9 +1,9 @@
-"""`darl-train`'s placement switch, and the placement of a run on this one machine.
+"""The placement of a run on this one machine.
 
-What it is: `run(cfg)`, what `darl-train` (and `darl-launch`) calls: `launch.mode=local` runs
-the session here (`run_local`), `launch.mode=slurm` submits it as a Slurm job
-(`slurm.run_slurm`). `LocalPlacement`: every role a child process of this one under a
-`Supervisor` (own process group, `[role]`-prefixed console output, `<run_dir>/logs/<role>.log`):
+What it is: `run_local(cfg)`, what `darl-train` (and `darl-launch`) runs with
+`launch.mode=local` (`launch.mode=slurm` goes to `slurm.run_slurm`, which places the same roles
+through `slurm_job.py`, built on this module). `LocalPlacement`: every role a child process of
+this one under a `Supervisor` (own process group, `[role]`-prefixed console output, `<run_dir>/logs/<role>.log`):
 an engine host for the embedded engines, the rollout manager, and `launch.learner_procs_per_node`
 learner ranks with a torchrun-style environment (gloo on CPU).
 What it is not: the session's steps (`session.py`), supervision itself (`local.py`), or
@@ -24,17 +24,8 @@ from megatron_darl.run_info import RunInfo
 
 PY = sys.executable
 TRAINER_MODULE = "megatron_darl.train"  # one learner rank: python -m TRAINER_MODULE --run-info PATH
-MANAGER_MODULE = "megatron_darl.rollout.manager"
+MANAGER_MODULE = "megatron_darl.rollout.manager_process"
 ENGINE_HOST_MODULE = "megatron_darl.launch.engine_host"
-
-
-def run(cfg: RunConfig) -> int:
-    """`darl-train`: run this config where `launch.mode` says; returns the exit code."""
-    if cfg.launch.mode == "slurm":
-        from megatron_darl.launch.slurm import run_slurm
-
-        return run_slurm(cfg)
-    return run_local(cfg)
 
 
 def learner_env(rank: int, world: int, info: RunInfo, local_rank: int | None = None,

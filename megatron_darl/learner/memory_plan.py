@@ -188,10 +188,18 @@ def plan_for(hf: dict[str, Any], s: Setting) -> MemoryPlan:
     return MemoryPlan(s, worst, rows)
 
 
+def learner_world(cfg) -> tuple[int, str]:
+    """(learner ranks, how that is configured): one node locally, `trainer_nodes` on Slurm."""
+    procs = cfg.launch.learner_procs_per_node
+    if cfg.launch.mode == "slurm":
+        return procs * cfg.launch.trainer_nodes, (f"launch.learner_procs_per_node={procs} x "
+                                                  f"launch.trainer_nodes={cfg.launch.trainer_nodes}")
+    return procs, f"launch.learner_procs_per_node={procs} (launch.mode={cfg.launch.mode}: one node)"
+
+
 def setting_of(cfg) -> Setting:
     """Resolve a RunConfig into the plan's setting (GPU run: launch.trainer.gpus_per_node > 0)."""
     from megatron_darl.learner.packing import round_up, sequence_multiple
-    from megatron_darl.learner.preflight import learner_world
 
     on_gpu = cfg.launch.trainer.gpus_per_node > 0
     par, model, lc = cfg.parallel, cfg.model, cfg.learner
@@ -237,27 +245,3 @@ def plan_run(cfg, hf: dict[str, Any]) -> MemoryPlan:
             if other.fits:
                 plan.advice.append(f"{what} ({other.total / GIB:.1f} GiB)")
     return plan
-
-
-def plan_command(cfg) -> int:
-    """`darl-train --plan`: print the plan; 0 when the recipe may start, 1 when it is refused."""
-    import sys
-
-    from megatron_darl.learner.preflight import layout_errors, learner_world, model_shapes, spec_errors
-
-    hf, source = model_shapes(cfg)
-    if hf is None:
-        print(f"darl-train --plan: model.hf_dir: {source}; the plan needs the model's shapes", file=sys.stderr)
-        return 1
-    print(f"model shapes: {source}")
-    world, src = learner_world(cfg)
-    errors = spec_errors(cfg) + layout_errors(hf, cfg.parallel, world, src)
-    if errors:
-        print("darl-train --plan: the layout does not fit the model:\n  " + "\n  ".join(errors), file=sys.stderr)
-        return 1
-    plan = plan_run(cfg, hf)
-    print(plan.format())
-    if not plan.fits:
-        print(f"darl-train: refused: {plan.refusal()}", file=sys.stderr)
-        return 1
-    return 0

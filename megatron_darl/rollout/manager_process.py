@@ -2,7 +2,7 @@
 
 What it is: `RingSink` (the node's shared-memory ring buffer as the manager's trajectory sink),
 the two engine restarters, and `main()`, the process the launcher starts beside the ring:
-`python -m megatron_darl.rollout.manager --run-info <run_dir>/run_info.json`. With a run-info
+`python -m megatron_darl.rollout.manager_process --run-info <run_dir>/run_info.json`. With a run-info
 record it takes everything from it (config, ring, notice and status paths, the state to resume)
 and finds its engines through their hosts' announcements: `AnnouncedEngineRestarter` waits for
 every engine, and replaces one that stopped answering by asking its host (on whatever node) and
@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -183,7 +184,7 @@ class AnnouncedEngineRestarter:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_darl.rollout.manager",
+    p = argparse.ArgumentParser(prog="python -m megatron_darl.rollout.manager_process",
                                 description="The rollout manager beside the ring buffer (started by the launcher).")
     p.add_argument("--run-info", default=None, help="<run_dir>/run_info.json: everything below comes from it")
     p.add_argument("--config", default=None, help="standalone: the run's resolved YAML config")
@@ -302,3 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     asyncio.run(_amain(_parser().parse_args(argv)))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -278,7 +278,7 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
         run.start()
         run.wait_for(lambda: len(run.ledger()) >= 3, 240, "3 trained steps (a checkpoint at step 2)")
         run_id, groups = run.run_info()["run_id"], run_groups(run)
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager"), signal.SIGKILL)
+        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager_process"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
         assert code != 0 and "process 'rollout' stopped with signal SIGKILL" in out, out[-3000:]
