@@ -179,7 +179,11 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     from megatron_darl.resume import RunCheckpointer
     from megatron_darl.telemetry import Telemetry
 
+    from megatron_darl.learner.model import have_te
+    from megatron_darl.learner.preflight import check_resolved_spec
+
     preempted = Preemption()  # before the slow start: a signal during it is not lost
+    check_resolved_spec(cfg, torch.cuda.is_available(), have_te())
     learner = MegatronLearner(cfg.model, cfg.parallel, cfg.optim, cfg.learner, cfg.algo,
                               temperature=cfg.rollout.temperature, seed=cfg.train.seed, pmis=learner_pmis(cfg),
                               balance_snapshots=cfg.replay.balance_snapshots, replay_k=cfg.replay.k)

@@ -149,3 +149,20 @@ def plan_command(cfg) -> int:
         print(f"darl-train: refused: {plan.refusal()}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_resolved_spec(cfg, on_gpu: bool, te: bool) -> None:
+    """On the learner's node: `model.spec=auto` without Transformer Engine falls back to the
+    local spec, which the plan made at submit did not assume (its attention keeps ~6 B per
+    score, not flash attention's 4 B per row): refuse, with the local spec's plan, a recipe that
+    then does not fit, before any GPU memory is taken."""
+    if not on_gpu or te or cfg.model.spec != "auto":
+        return
+    hf, source = model_shapes(cfg)
+    if hf is None:
+        return
+    plan = plan_run(cfg, hf, spec="local")
+    if not plan.fits:
+        raise RuntimeError("transformer_engine is not importable on this node, so model.spec=auto fell back to "
+                           f"megatron-core's local spec: {plan.refusal()}; install megatron-darl[gpu] on the "
+                           "trainer nodes (Transformer Engine) or set model.spec=local with a plan that fits")
