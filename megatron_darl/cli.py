@@ -12,7 +12,8 @@ import argparse
 import importlib
 import sys
 
-from megatron_darl.config import ConfigError, load_config, preflight, to_yaml
+from megatron_darl.config import ConfigError, load_config, to_yaml
+from megatron_darl.preflight import preflight
 
 EXIT_UNAVAILABLE = 2
 
@@ -58,16 +59,20 @@ def train_main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if args.plan:
-        from megatron_darl.learner.memory_plan import plan_command
+        from megatron_darl.learner.preflight import plan_command
 
         return plan_command(cfg)
     problems = preflight(cfg)
     if problems:
         print("darl-train: cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    from megatron_darl.launch.runner import run  # the placement switch: launch.mode=local | slurm
+    if cfg.launch.mode == "slurm":  # the placement switch: one Slurm job, or this machine
+        from megatron_darl.launch.slurm import run_slurm
 
-    return int(run(cfg) or 0)
+        return int(run_slurm(cfg) or 0)
+    from megatron_darl.launch.runner import run_local
+
+    return int(run_local(cfg) or 0)
 
 
 def engine_main() -> int:

@@ -302,41 +302,6 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return run
 
 
-def preflight(cfg: RunConfig) -> list[str]:
-    """Checks against this machine before a run starts (not part of validation, so that any
-    recipe prints with --print-config anywhere): model folder and data files exist, what
-    `_run_preflight` checks, the model's shapes fit the parallel layout and the learner fits in
-    GPU memory."""
-    errors = [f"data.{k}: {m}" for k, m in cfg.data.missing_files()]
-    hf = cfg.model.hf_dir
-    if not hf.startswith("builtin:") and not os.path.isfile(os.path.join(hf, "config.json")):
-        errors.append(f"model.hf_dir: no config.json in {hf!r} (a Hugging Face model folder is expected)")
-    tok = cfg.model.tokenizer
-    if tok and not tok.startswith("builtin:") and not os.path.isdir(tok):
-        errors.append(f"model.tokenizer: folder not found: {tok!r}")
-    errors += _run_preflight(cfg)
-    from megatron_darl.learner.preflight import learner_preflight  # layout and memory plan
-
-    return errors + learner_preflight(cfg)
-
-
-def _run_preflight(cfg: RunConfig) -> list[str]:
-    """Data, warm start and run folders, checked before anything starts: the data sources read
-    and their records fit `data.prompt_template`, the built-in model's warm start has reference
-    answers, and the run and checkpoint folders take files (a probe file, not permission bits)."""
-    from megatron_darl import warmstart
-    from megatron_darl.data.sources import preflight as data_preflight
-    from megatron_darl.resume import writable_problem
-
-    errors = data_preflight(cfg.data) + warmstart.preflight(cfg)
-    for key, folder, what in (("train.run_dir", cfg.train.run_dir, "run folder"),
-                              ("checkpoint.dir", cfg.checkpoint_dir, "checkpoint folder")):
-        problem = writable_problem(folder, what, create=False)
-        if problem:
-            errors.append(f"{key}: {problem}")
-    return errors
-
-
 def _escape_interpolations(value: Any) -> Any:
     """Resolved text that contains a literal `${` (written `\\${` by the user) keeps its escape, so
     that the saved config loads back to the same value instead of an interpolation."""

@@ -7,8 +7,8 @@ agreed by all ranks) and `learner_main()`, the entry of every learner rank
 (`python -m megatron_darl.train --run-info <run_dir>/run_info.json`, environment RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher). A preemption while the main rank waits
 for rollouts (which may never come) does not wait for the end of a step: the wait raises
-`Preempted`, the main rank tells the other ranks (they wait inside the batch broadcast), and
-every rank checkpoints what it has and stops.
+`Preempted`, the main rank tells the other ranks (they wait for its word in the rendezvous
+store, outside any collective), and every rank checkpoints what it has and stops.
 What it is not: the loop itself (`train.py`) or the placement of ranks (`launch/`).
 """
 
@@ -40,8 +40,9 @@ class Preempted(Exception):
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 / SIGUSR2 set a flag; `self()` agrees on it over all ranks (an
-    all-reduce), so every rank stops after the same step."""
+    """SIGTERM / SIGUSR1 / SIGUSR2 set a flag; `self()` agrees on it over all ranks (through the
+    rendezvous store, `rank_sync`: the others wait there while the main rank evaluates), so every
+    rank stops after the same step."""
 
     def __init__(self):
         self.flag = False
@@ -53,18 +54,26 @@ class Preemption:
 
     def __call__(self) -> bool:
         if _world() > 1:
-            t = torch.tensor([1.0 if self.flag else 0.0], device=_device())
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            self.flag = bool(t.item())
+            self.flag = rank_sync().any(self.flag)
         return self.flag
+
+
+_SYNC = []
+
+
+def rank_sync(alive: Callable[[], None] | None = None):
+    """This process's one `StoreSync` (one call counter for every agreement of the loop)."""
+    from megatron_darl.learner.collectives import StoreSync
+
+    if not _SYNC:
+        _SYNC.append(StoreSync())
+    if alive is not None:
+        _SYNC[0].alive = alive
+    return _SYNC[0]
 
 
 def _world() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def _device() -> str:
-    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
 
 
 class _StepFeed(ReplayFeed):
@@ -80,8 +89,10 @@ class _StepFeed(ReplayFeed):
 
 class _StoppableLearner:
     """The learner as the loop sees it on several ranks: every batch broadcast is preceded by a
-    tiny one saying whether to go on. Ranks other than the main one wait in that broadcast while
-    the main rank waits for rollouts, so a preemption noticed there reaches them as `Preempted`."""
+    word from the main rank saying whether to go on. Ranks other than the main one wait for it
+    while the main rank waits for rollouts, in the rendezvous store, not in a collective (whose
+    timeout a long first batch would exceed); a preemption noticed there reaches them as
+    `Preempted`."""
 
     def __init__(self, learner: Any):
         self._learner = learner
@@ -90,18 +101,14 @@ class _StoppableLearner:
         return getattr(self._learner, name)
 
     def broadcast_batch(self, batch):
-        from megatron_darl.learner.collectives import broadcast_json
-
-        control = broadcast_json({"stop": False} if self._learner.is_main else None, 0, None, _device())
+        control = rank_sync().from_main({"stop": False} if self._learner.is_main else None)
         if control.get("stop"):
             raise Preempted(int(control["step"]))
         return self._learner.broadcast_batch(batch)
 
     def send_stop(self, step: int) -> None:
         """Main rank: release the other ranks from their wait with `Preempted(step)`."""
-        from megatron_darl.learner.collectives import broadcast_json
-
-        broadcast_json({"stop": True, "step": step}, 0, None, _device())
+        rank_sync().from_main({"stop": True, "step": step})
 
 
 @dataclass
@@ -172,7 +179,11 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     from megatron_darl.resume import RunCheckpointer
     from megatron_darl.telemetry import Telemetry
 
+    from megatron_darl.learner.model import have_te
+    from megatron_darl.learner.preflight import check_resolved_spec
+
     preempted = Preemption()  # before the slow start: a signal during it is not lost
+    check_resolved_spec(cfg, torch.cuda.is_available(), have_te())
     learner = MegatronLearner(cfg.model, cfg.parallel, cfg.optim, cfg.learner, cfg.algo,
                               temperature=cfg.rollout.temperature, seed=cfg.train.seed, pmis=learner_pmis(cfg),
                               balance_snapshots=cfg.replay.balance_snapshots, replay_k=cfg.replay.k)
@@ -195,8 +206,11 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
         if os.getppid() != parent:
             raise RuntimeError("the launcher is gone; stopping this learner rank")
 
+    if _world() > 1:
+        rank_sync(alive)  # the other ranks check the launcher while they wait for the main one
     ckpt = RunCheckpointer(learner, feed, publisher, cfg.checkpoint_dir, info.status, cfg.rollout.group_size,
-                           cfg.checkpoint.keep_last, alive)
+                           cfg.checkpoint.keep_last, alive,
+                           save_budget_s=cfg.launch.signal_before_s if cfg.launch.mode == "slurm" else None)
     start = ckpt.resume(info.resume)
     publisher.publish(start)  # engines move to the policy being trained (v0, or the resumed one)
     tele = Telemetry(cfg.train.run_dir, cfg.train.steps, start_step=start, tensorboard=cfg.logging.tensorboard,
@@ -208,10 +222,9 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info, evaluator)
 
 
-def learner_main(argv: list[str] | None = None) -> int:
-    """Entry of one learner rank (started by the launcher with torchrun-style env vars)."""
-    from megatron_darl.train import train_loop
-
+def learner_main(train_loop: Callable[..., int], argv: list[str] | None = None) -> int:
+    """Entry of one learner rank (started by the launcher with torchrun-style env vars) around
+    `train_loop` (train.py's, which calls this as its `__main__`: this module does not import it)."""
     p = argparse.ArgumentParser(prog="python -m megatron_darl.train")
     p.add_argument("--run-info", required=True, help="the run's run_info.json (ring, notice, weights, resume)")
     p.add_argument("--config", default=None, help="a resolved config (default: the one the run info names)")

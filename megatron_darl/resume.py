@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from megatron_darl.rollout.weight_notice import RolloutStatus, read_json
+from megatron_darl.rollout.weight_notice import RolloutStatus, read_json, write_json_atomic
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -60,15 +60,25 @@ class CheckpointError(RuntimeError):
     left on the device, the rollout manager's own error) in the message."""
 
 
+SAVE_TIME = "save_time.json"  # in the checkpoint folder: how long the newest save took
+
+
 class RunCheckpointer:
+    """`save_budget_s`: the time a save must fit in (Slurm's warning before the time limit,
+    `launch.signal_before_s`); a save, or a recorded one at resume, that does not fit says so."""
+
     def __init__(self, learner: Any, feed: Any, publisher: Any, ckpt_dir: str, status_path: str,
-                 group_size: int, keep_last: int, alive: Callable[[], None]):
+                 group_size: int, keep_last: int, alive: Callable[[], None], save_budget_s: float | None = None):
         self.learner, self.feed, self.publisher = learner, feed, publisher
         self.dir, self.status_path, self.group_size = ckpt_dir, status_path, group_size
-        self.keep_last, self.alive = keep_last, alive
+        self.keep_last, self.alive, self.save_budget_s = keep_last, alive, save_budget_s
 
     def resume(self, path: str | None) -> int:
         """Load `path` (if any) and return the step to continue from."""
+        if self.learner.is_main:
+            recorded = read_json(os.path.join(self.dir, SAVE_TIME)) if os.path.isdir(self.dir) else None
+            if isinstance(recorded, dict) and isinstance(recorded.get("seconds"), (int, float)):
+                self._check_fits(int(recorded.get("step", 0)), float(recorded["seconds"]))
         if path is None:
             return 0
         extra = self.learner.load(path)
@@ -81,6 +91,7 @@ class RunCheckpointer:
         the main rank raises `CheckpointError` naming its cause and leaves no partial files."""
         path = os.path.join(self.dir, f"step_{step:08d}")
         extra: dict[str, Any] = {"step": step}
+        t0 = time.monotonic()
         try:
             if self.learner.is_main:
                 remove_leftovers(self.dir)  # of a save that was killed midway
@@ -101,7 +112,17 @@ class RunCheckpointer:
             raise CheckpointError(_explain_failure(path, exc, free)) from exc
         if self.learner.is_main:
             self._prune()
+            seconds = time.monotonic() - t0
+            write_json_atomic(os.path.join(self.dir, SAVE_TIME), {"step": step, "seconds": round(seconds, 3)})
+            self._check_fits(step, seconds)
         return path
+
+    def _check_fits(self, step: int, seconds: float) -> None:
+        if self.save_budget_s is not None and seconds > self.save_budget_s:
+            print(f"darl-train: WARNING: the checkpoint of step {step} took {seconds:.0f} s, more than "
+                  f"launch.signal_before_s={self.save_budget_s:.0f} s: a save started at Slurm's warning "
+                  f"before the time limit (after the step in progress) would be killed; raise "
+                  f"launch.signal_before_s to at least {2 * seconds:.0f} s", flush=True)
 
     def _rollout_state(self, sidecar: str, timeout_s: float) -> dict:
         """Ask the manager to write its state to `sidecar`; wait for its answer, or its error."""

@@ -37,11 +37,16 @@ class RunInfo:
     engine_urls: list[str] = field(default_factory=list)  # external engines (rollout.engine_urls), not announced
     learner_world: int = 1  # learner ranks in total
     master_addr: str = "127.0.0.1"  # rendezvous of the learner ranks (global rank 0's node)
-    master_port: int = 0
+    master_port: int = 0  # 0: learner rank 0 binds a port when it starts and writes it to rendezvous_file
     learners_go: str = ""  # a file holding `attempt` once learner ranks may start (after evaluation before RL)
     resume: str | None = None  # checkpoint folder to resume from
     rollout_state: str | None = None  # the manager's saved state that belongs to `resume`
     created: float = field(default_factory=time.time)
+
+    @property
+    def rendezvous_file(self) -> str:
+        """Where learner rank 0 publishes the port it bound (this attempt's own file)."""
+        return os.path.join(self.engines_dir, f"rendezvous.{self.attempt}.json")
 
     # ---- JSON ----
     def to_json(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ bounds how far it runs ahead (`staleness.max_head_offpolicyness`, 0 = synchronou
 module (`python -m megatron_darl.train --run-info ...`) it is one learner rank: the launcher
 (`launch/`) starts it by that name, and `learner_side.py` builds what the loop works with.
 What it is not: any of the machinery it calls (learner, replay, rollout) or the placement of
-processes (`launch/`, which `darl-train` enters through `launch.runner.run`).
+processes (`launch/`, which `darl-train` enters through `launch.runner.run_local` or
+`launch.slurm.run_slurm`).
 """
 
 from __future__ import annotations
@@ -81,4 +82,4 @@ def step_diagnostics(batch, step: int) -> dict:
 if __name__ == "__main__":
     from megatron_darl.learner_side import learner_main
 
-    raise SystemExit(learner_main())
+    raise SystemExit(learner_main(train_loop))

@@ -58,13 +58,20 @@ class LaunchConfig:
     rollout: SlurmNodes = field(default_factory=SlurmNodes)  # Slurm resources of a rollout node
     job_name: str = "darl"
     max_requeue: int = 3  # Slurm: requeues after preemption or time limit, each resuming from its checkpoint
-    signal_before_s: int = 120  # Slurm: USR2 this long before the time limit: checkpoint and requeue
+    # Slurm: USR2 this long before the time limit: the step in progress, then a checkpoint, then
+    # requeue; it must hold stop_timeout_s (checked at submit; every save says when it did not fit)
+    signal_before_s: int = 600
     setup: list[str] = field(default_factory=list)  # Slurm: shell lines before the job starts (module load ...)
     python: str = ""  # Slurm: the Python the nodes run (empty: this interpreter)
     # Slurm, rollout.backend=sglang: the Python of SGLang's own environment (requirements-sglang.txt;
     # sglang pins another torch than megatron-darl), which runs `-m sglang.launch_server` (empty: `python`)
     engine_python: str = ""
-    startup_timeout_s: float = 300.0  # every engine must answer /health_generate within this
+    # each engine must answer /health_generate within this of its own start; 0: 300 s for
+    # darl-engine, 1800 s for SGLang (8 cold servers per node compile their kernels at once)
+    startup_timeout_s: float = 0.0
+    # SGLang's JIT caches (Triton, FlashInfer, inductor, CUDA), one folder per server of a node:
+    # <dir>/engine<k>; empty: node-local, $TMPDIR (or /tmp)/darl-sglang-cache-<uid>
+    engine_cache_dir: str = ""
     stop_timeout_s: float = 300.0  # after SIGTERM, learners must checkpoint and exit within this
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("local", "slurm")}
@@ -83,6 +90,8 @@ class LaunchConfig:
             errs.append(("trainer_nodes", "a local run has one node; use launch.mode=slurm for more"))
         if self.max_requeue < 0:
             errs.append(("max_requeue", "must be >= 0"))
+        if self.startup_timeout_s < 0:
+            errs.append(("startup_timeout_s", "must be >= 0 (0: 300 s for darl-engine, 1800 s for SGLang)"))
         if self.signal_before_s < 0:
             errs.append(("signal_before_s", "must be >= 0"))
         for name in ("trainer", "rollout"):
@@ -96,6 +105,10 @@ class LaunchConfig:
                          f"leave GPUs for them (< trainer.gpus_per_node={gpus})"))
         return errs
 
+    def engine_startup_s(self, backend: str) -> float:
+        """Each engine's startup budget, from its own start (see `startup_timeout_s`)."""
+        return self.startup_timeout_s or (1800.0 if backend == "sglang" else 300.0)
+
     @property
     def learner_world(self) -> int:
         return self.trainer_nodes * self.learner_procs_per_node
@@ -108,7 +121,7 @@ class Placement(Protocol):
 
     attempt: str  # this execution of the run (see RunInfo.attempt)
 
-    def rendezvous(self) -> tuple[str, int]: ...  # (MASTER_ADDR, MASTER_PORT) for the learner ranks
+    def rendezvous(self) -> tuple[str, int]: ...  # (MASTER_ADDR, MASTER_PORT); port 0: rank 0 binds one
 
     def start_engines(self, info: RunInfo) -> None: ...  # engine hosts that announce in info.engines_dir
 

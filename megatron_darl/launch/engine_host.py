@@ -28,16 +28,20 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from megatron_darl.launch.engine_env import check_sglang_python, engine_python
 from megatron_darl.launch.local import Child, Supervisor, _signal_group
 from megatron_darl.rollout.engine_command import (
     EngineAnnouncement, EngineSpec, announce, engine_specs, read_restart_request, stop_path,
 )
 from megatron_darl.rollout.weight_notice import write_json_atomic
-from megatron_darl.run_info import RunInfo, read_marker, wait_for_run_info
+from megatron_darl.run_info import RunInfo, read_marker, wait_for_run_info, write_marker
 
 PROBE = ".probe"  # in the weights folder: the session writes the attempt id, every host reads it back
 QUICK_DEATH_S = 30.0  # an engine that dies this soon after its start, RESTART_LIMIT times in a row, is broken
 RESTART_LIMIT = 3
+# engines are on this node or another node of the job, never behind the proxy a site exports
+# (urllib's default opener honours http_proxy even for 127.0.0.1 when no_proxy is unset)
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def probe_path(weights_root: str) -> str:
@@ -46,6 +50,11 @@ def probe_path(weights_root: str) -> str:
 
 def host_error_path(engines_dir: str, node: int) -> str:
     return os.path.join(engines_dir, f"host{node}.error")
+
+
+def host_starting_path(engines_dir: str, node: int) -> str:
+    """Holds the attempt once host `node` begins starting its engines (their budgets start then)."""
+    return os.path.join(engines_dir, f"host{node}.starting")
 
 
 def slurm_attempt() -> str | None:
@@ -94,15 +103,17 @@ def healthy(url: str, api_key: str | None = None) -> bool:
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with DIRECT.open(req, timeout=10) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
-def wait_healthy(url: str, child: Child, timeout_s: float, api_key: str | None, name: str) -> None:
-    """Until `url` is healthy; raises when `child` exits first or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
+def wait_healthy(url: str, child: Child, timeout_s: float, api_key: str | None, name: str,
+                 started: float | None = None) -> None:
+    """Until `url` is healthy; raises when `child` exits first or `timeout_s` passes since
+    `started` (the engine's own start, time.monotonic(); default now)."""
+    deadline = (time.monotonic() if started is None else started) + timeout_s
     while not healthy(url, api_key):
         code = child.poll()
         if code is not None:
@@ -150,6 +161,7 @@ class EngineHost:
                                f"there: train.run_dir must be on a file system all nodes share") from None
 
     def start_all(self) -> None:
+        write_marker(host_starting_path(self.info.engines_dir, self.node), self.info.attempt)
         for spec in self.specs:
             self._start(spec, 0)
         for index in sorted(self.engines):
@@ -157,7 +169,7 @@ class EngineHost:
 
     def _start(self, spec: EngineSpec, generation: int) -> None:
         port = free_port(self.bind)
-        child = self.sup.start(f"engine{spec.index}", spec.command(self.bind, port), env=spec.env(),
+        child = self.sup.start(f"engine{spec.index}", spec.command(self.bind, port), env=spec.env((self.bind, self.address)),
                                essential=False, critical=False)
         url = f"http://{self.address}:{port}"
         old = self.engines.get(spec.index)
@@ -168,7 +180,7 @@ class EngineHost:
 
     def _await_and_announce(self, index: int) -> None:
         e = self.engines[index]
-        wait_healthy(e.url, e.child, self.startup_timeout_s, self.api_key, f"engine {index}")
+        wait_healthy(e.url, e.child, self.startup_timeout_s, self.api_key, f"engine {index}", started=e.started)
         announce(self.info.engines_dir, EngineAnnouncement(
             attempt=self.info.attempt, index=index, url=e.url, pid=e.child.pid, node=node_name(),
             generation=e.generation, log=e.child.log_path, probe=self.probe))
@@ -254,7 +266,7 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
     python = engine_python(cfg)
     with Supervisor(info.log_dir, echo=None) as sup:
         host = EngineHost(info, engine_specs(cfg, indices, gpus, python), sup, node,
-                          args.address or node_address(), cfg.launch.startup_timeout_s, cfg.rollout.api_key)
+                          args.address or node_address(), cfg.launch.engine_startup_s(cfg.rollout.backend), cfg.rollout.api_key)
         try:
             host.check_weights_readable()
             if cfg.rollout.backend == "sglang" and not gpus:
@@ -272,32 +284,6 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
             return 1
         host.log("stop marker: stopping the engines")
     return 0
-
-
-def engine_python(cfg) -> str:
-    """The interpreter that runs this node's engines: SGLang's own environment for SGLang servers
-    (`launch.engine_python`), megatron-darl's for `darl-engine`."""
-    own = cfg.launch.python or sys.executable
-    return (cfg.launch.engine_python or own) if cfg.rollout.backend == "sglang" else own
-
-
-def check_sglang_python(python: str, timeout_s: float = 120.0) -> None:
-    """Refuse, naming the interpreter and the key, an SGLang environment that is missing or holds
-    another release than the one the client is tested against."""
-    from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
-
-    probe = [python, "-c", "import sglang; print(sglang.__version__)"]
-    try:
-        out = subprocess.run(probe, capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RuntimeError(f"cannot run the SGLang interpreter {python!r} (launch.engine_python): {exc}") from exc
-    if out.returncode != 0:
-        raise RuntimeError(f"{python!r} cannot import sglang (launch.engine_python; install "
-                           f"requirements-sglang.txt in that environment): {out.stderr.strip()[-300:]}")
-    found = out.stdout.strip()
-    if found != SGLANG_VERSION:
-        raise RuntimeError(f"{python!r} has sglang {found}; the client speaks sglang {SGLANG_VERSION} "
-                           f"(requirements-sglang.txt, launch.engine_python)")
 
 
 def _stop_if_marked(engines_dir: str, attempt: str | None) -> None:

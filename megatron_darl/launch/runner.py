@@ -1,9 +1,9 @@
-"""`darl-train`'s placement switch, and the placement of a run on this one machine.
+"""The placement of a run on this one machine.
 
-What it is: `run(cfg)`, what `darl-train` (and `darl-launch`) calls: `launch.mode=local` runs
-the session here (`run_local`), `launch.mode=slurm` submits it as a Slurm job
-(`slurm.run_slurm`). `LocalPlacement`: every role a child process of this one under a
-`Supervisor` (own process group, `[role]`-prefixed console output, `<run_dir>/logs/<role>.log`):
+What it is: `run_local(cfg)`, what `darl-train` (and `darl-launch`) runs with
+`launch.mode=local` (`launch.mode=slurm` goes to `slurm.run_slurm`, which places the same roles
+through `slurm_job.py`, built on this module). `LocalPlacement`: every role a child process of
+this one under a `Supervisor` (own process group, `[role]`-prefixed console output, `<run_dir>/logs/<role>.log`):
 an engine host for the embedded engines, the rollout manager, and `launch.learner_procs_per_node`
 learner ranks with a torchrun-style environment (gloo on CPU).
 What it is not: the session's steps (`session.py`), supervision itself (`local.py`), or
@@ -24,25 +24,20 @@ from megatron_darl.run_info import RunInfo
 
 PY = sys.executable
 TRAINER_MODULE = "megatron_darl.train"  # one learner rank: python -m TRAINER_MODULE --run-info PATH
-MANAGER_MODULE = "megatron_darl.rollout.manager"
+MANAGER_MODULE = "megatron_darl.rollout.manager_process"
 ENGINE_HOST_MODULE = "megatron_darl.launch.engine_host"
 
 
-def run(cfg: RunConfig) -> int:
-    """`darl-train`: run this config where `launch.mode` says; returns the exit code."""
-    if cfg.launch.mode == "slurm":
-        from megatron_darl.launch.slurm import run_slurm
-
-        return run_slurm(cfg)
-    return run_local(cfg)
-
-
-def learner_env(rank: int, world: int, addr: str, port: int, local_rank: int | None = None,
+def learner_env(rank: int, world: int, info: RunInfo, local_rank: int | None = None,
                 local_world: int | None = None, threads: int = 1) -> dict[str, str]:
-    """The torchrun-style environment of learner rank `rank`."""
+    """The torchrun-style environment of learner rank `rank`. MASTER_PORT=0: rank 0 binds a port
+    when it starts and publishes it in `info.rendezvous_file` (learner/parallel.py)."""
+    from megatron_darl.learner.parallel import RENDEZVOUS_ENV
+
     return {"RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
             "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)}
+            "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port),
+            RENDEZVOUS_ENV: info.rendezvous_file, "OMP_NUM_THREADS": str(threads)}
 
 
 class LocalPlacement:
@@ -54,9 +49,7 @@ class LocalPlacement:
         self.learners: list[Child] = []
 
     def rendezvous(self) -> tuple[str, int]:
-        from megatron_darl.launch.engine_host import free_port
-
-        return "127.0.0.1", free_port("127.0.0.1")
+        return "127.0.0.1", 0  # learner rank 0 binds the port itself
 
     def start_engines(self, info: RunInfo) -> None:
         if info.engine_urls:  # SGLang servers someone else runs
@@ -76,7 +69,7 @@ class LocalPlacement:
     def start_learners(self, info: RunInfo) -> None:
         world = info.learner_world
         self.learners = [self.sup.start(f"learner{r}", [PY, "-m", TRAINER_MODULE, "--run-info", info.path],
-                                        env=learner_env(r, world, info.master_addr, info.master_port))
+                                        env=learner_env(r, world, info))
                          for r in range(world)]
 
     def wait_learners(self, timeout_s: float | None = None) -> bool:
@@ -126,10 +119,10 @@ def start_local_engines(cfg: RunConfig, sup: Supervisor) -> list[str]:
     started = []
     for spec in engine_specs(cfg, list(range(cfg.rollout.num_engines))):
         port = free_port("127.0.0.1")
-        child = sup.start(f"engine{spec.index}", spec.command("127.0.0.1", port), env=spec.env())
+        child = sup.start(f"engine{spec.index}", spec.command("127.0.0.1", port), env=spec.env(("127.0.0.1",)))
         started.append((f"http://127.0.0.1:{port}", child))
     for i, (url, child) in enumerate(started):
-        wait_healthy(url, child, cfg.launch.startup_timeout_s, cfg.rollout.api_key, f"engine {i}")
+        wait_healthy(url, child, cfg.launch.engine_startup_s(cfg.rollout.backend), cfg.rollout.api_key, f"engine {i}")
     return [url for url, _ in started]
 
 

@@ -29,11 +29,11 @@ from typing import Any
 
 from megatron_darl.config import RunConfig, save_resolved
 from megatron_darl.launch.api import Placement
-from megatron_darl.launch.engine_host import host_error_path, probe_path
+from megatron_darl.launch.engine_host import host_error_path, host_starting_path, probe_path
 from megatron_darl.resume import load_rollout_state, resolve_resume, rollout_sidecar
 from megatron_darl.rollout.engine_command import read_announcements, stop_path
 from megatron_darl.rollout.weight_notice import read_json
-from megatron_darl.run_info import RunInfo, write_marker
+from megatron_darl.run_info import RunInfo, read_marker, write_marker
 
 STALE_RUN = re.compile(r"^darl-([0-9a-f]{10})-(ring|weights)$")
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -82,6 +82,34 @@ def make_run_info(cfg: RunConfig, run_id: str, attempt: str, addr: str, port: in
         engines_dir=os.path.join(run_dir, "engines"), num_engines=0 if external else rc.num_engines,
         engine_urls=list(rc.engine_urls) if external else [], learner_world=lc.learner_world,
         master_addr=addr, master_port=port, learners_go=os.path.join(run_dir, "engines", "learners.go"))
+
+
+class HostClock:
+    """When each engine host of an attempt began starting its engines (its `host<i>.starting`
+    marker, timed on this node's clock when first seen), and which hosts are late."""
+
+    SLACK_S = 60.0  # after a host's own budget: its error report or the last announcement to arrive
+
+    def __init__(self, info: RunInfo, hosts: int, budget_s: float):
+        self.info, self.hosts, self.budget_s = info, hosts, budget_s
+        self.t0 = time.monotonic()
+        self.started: dict[int, float] = {}
+
+    def since_start(self) -> float:
+        return time.monotonic() - self.t0
+
+    def late(self) -> str:
+        """'' while every host is within its time; else which are late, and why."""
+        now, out = time.monotonic(), []
+        for node in range(self.hosts):
+            if node not in self.started and read_marker(host_starting_path(self.info.engines_dir, node)) == \
+                    self.info.attempt:
+                self.started[node] = now
+            if node in self.started and now - self.started[node] > self.budget_s + self.SLACK_S:
+                out.append(f"engine host {node} started them {now - self.started[node]:.0f} s ago")
+            elif node not in self.started and now - self.t0 > self.budget_s:
+                out.append(f"engine host {node} never began starting its engines")
+        return "; ".join(out)
 
 
 class Stopped(Exception):
@@ -163,8 +191,11 @@ class RunSession:
 
     def engine_urls(self, info: RunInfo) -> list[str]:
         """Every engine's current address, once all are announced and answer /health_generate
-        (a restarted engine announces a new address; it is read again until then)."""
-        deadline = time.monotonic() + self.cfg.launch.startup_timeout_s
+        (a restarted engine announces a new address; it is read again until then). The startup
+        budget counts from each engine's own start: its host enforces it and reports; this side
+        gives a host the budget to begin starting its engines, and then the budget again."""
+        budget = self.cfg.launch.engine_startup_s(self.cfg.rollout.backend)
+        hosts = HostClock(info, max(1, self.cfg.launch.rollout_nodes), budget)
         while True:
             self._raise_host_errors(info)
             self.placement.check()
@@ -180,9 +211,11 @@ class RunSession:
             sick = [] if missing else asyncio.run(self._unhealthy(urls))
             if not missing and not sick:
                 return urls
-            if time.monotonic() > deadline:
+            late = hosts.late() if not info.engine_urls else (
+                "rollout.engine_urls" if hosts.since_start() > budget else "")
+            if late:
                 raise TimeoutError(
-                    f"engines not ready within launch.startup_timeout_s={self.cfg.launch.startup_timeout_s:.0f} s: "
+                    f"engines not ready within launch.startup_timeout_s={budget:.0f} s of their start ({late}): "
                     f"{'not announced in ' + info.engines_dir + ': ' + str(missing) if missing else ''}"
                     f"{'not healthy: ' + ', '.join(sick) if sick else ''}; see {info.log_dir}/engine*.log (on Slurm "
                     f"the run folder must be on a file system the rollout nodes share)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +51,10 @@ def slurm_problems(cfg: RunConfig) -> list[str]:
         if rc.weight_sync == "shm":
             out.append("rollout.weight_sync=shm: engines on rollout nodes cannot read the learner node's "
                        "shared memory; use disk (or auto)")
+    if lc.stop_timeout_s > lc.signal_before_s:
+        out.append(f"launch.stop_timeout_s={lc.stop_timeout_s:.0f} > launch.signal_before_s={lc.signal_before_s}: "
+                   f"Slurm's time limit would kill the learners before the checkpoint they start at its warning "
+                   f"may finish; raise launch.signal_before_s (a 4B checkpoint writes about 56 GB)")
     if not lc.rollout_nodes and not external:
         free = lc.trainer.gpus_per_node - lc.learner_procs_per_node
         if rc.backend == "sglang" and (not lc.trainer.gpus_per_node or rc.num_engines * lc.engine_gpus > free):
@@ -57,6 +62,51 @@ def slurm_problems(cfg: RunConfig) -> list[str]:
                        f"launch.engine_gpus={lc.engine_gpus} GPUs must fit in the first trainer node's "
                        f"{max(free, 0)} GPUs left by the learners")
     return out
+
+
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # node-local by convention on clusters
+
+
+def node_hosts() -> list[str]:
+    """The host name of every node Slurm knows (`sinfo %n`); [] when it does not answer."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%n"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return sorted(set(out.stdout.split())) if out.returncode == 0 else []
+
+
+def _mount_of(path: str) -> tuple[str, str]:
+    """(mount point, file system type) holding `path`, from /proc/mounts."""
+    best = ("/", "")
+    try:
+        with open("/proc/mounts", encoding="utf-8") as fh:
+            for line in fh:
+                parts = line.split()
+                point = parts[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+                    best = (point, parts[2])
+    except OSError:
+        pass
+    return best
+
+
+def run_dir_problem(run_dir: str, hosts: list[str]) -> str | None:
+    """Why `train.run_dir` cannot hold a run whose nodes are `hosts`, or None. Found after the
+    job starts it is worse than late: Slurm cannot write the job's log there and fails without
+    one (submitit warns of this). A cluster whose every node is this machine shares all of it."""
+    here = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    if hosts and set(hosts) <= here:
+        return None
+    path = os.path.realpath(run_dir)
+    point, fstype = _mount_of(path)
+    local = [d for d in (*NODE_LOCAL_DIRS, os.environ.get("TMPDIR", "")) if d and (path + "/").startswith(
+        os.path.realpath(d).rstrip("/") + "/")]
+    if fstype in ("tmpfs", "ramfs") or local:
+        why = f"{fstype} mounted at {point}" if fstype in ("tmpfs", "ramfs") else f"under {local[0]}"
+        return (f"train.run_dir={run_dir} is node-local ({why}): the job's nodes would not see it, and Slurm "
+                f"writes the job's log there; use a file system every node shares")
+    return None
 
 
 def _sbatch_lines(nodes: int, tasks_per_node: int, res: SlurmNodes) -> list[str]:
@@ -93,11 +143,14 @@ def job_script(cfg: RunConfig, folder: Path, submit_command: str) -> str:
     group0 = "--het-group=0 " if het else ""
     if het:
         lines += ["# component 1: one engine host per rollout node; it waits for the session's run info",
-                  f'srun --het-group=1 --unbuffered --kill-on-bad-exit=1 --ntasks-per-node=1 --open-mode=append '
+                  f'srun --het-group=1 --cpus-per-task={lc.rollout.cpus_per_task} --unbuffered --kill-on-bad-exit=1 '
+                  f'--ntasks-per-node=1 --open-mode=append '
                   f'--output="$RUN_DIR/logs/engine_host%t.out" {python} -u -m megatron_darl.launch.engine_host '
                   f'--run-info "$RUN_DIR/run_info.json" &', "ROLLOUT=$!"]
+    # every srun names its CPUs: Slurm 22.05-23.02 do not pass the job's --cpus-per-task on to
+    # srun, which would pin each task (8 SGLang servers, or manager + reward workers) to one core
     lines += ["# component 0: one task per learner rank; global rank 0 runs the session",
-              f"srun {group0}--unbuffered --kill-on-bad-exit=1 --open-mode=append --output={folder}/%j_%t_log.out "
+              f"srun {group0}--cpus-per-task={lc.trainer.cpus_per_task} --unbuffered --kill-on-bad-exit=1 --open-mode=append --output={folder}/%j_%t_log.out "
               f"--error={folder}/%j_%t_log.err {submit_command}", "rc=$?"]
     if het:
         lines += ['echo "$ATTEMPT" > "$RUN_DIR/engines/stop"  # engine hosts stop (the session also says so)',
@@ -175,12 +228,23 @@ def run_slurm(cfg: RunConfig) -> int:
         print("darl-train: launch.mode=slurm needs Slurm's sbatch on PATH (run it where you submit jobs)",
               file=sys.stderr)
         return 1
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
     from megatron_darl.launch.slurm_job import TrainerTask
 
     run_dir = os.path.abspath(cfg.train.run_dir)
+    problem = run_dir_problem(run_dir, node_hosts())
+    if problem:
+        print(f"darl-train: cannot submit: {problem}", file=sys.stderr)
+        return 1
     folder = os.path.join(run_dir, "slurm")
     os.makedirs(folder, exist_ok=True)
-    job = DarlSlurmExecutor(folder, cfg).submit(TrainerTask(cfg))
+    try:
+        job = DarlSlurmExecutor(folder, cfg).submit(TrainerTask(cfg))
+    except (FailedJobError, FailedSubmissionError) as exc:  # sbatch refused the script: its own words
+        print(f"darl-train: sbatch refused the job (script in {folder}/.submission_file_*.sh):\n{exc}",
+              file=sys.stderr)
+        return 1
     lc = cfg.launch
     print(f"darl-train: submitted Slurm job {job.job_id}: {lc.trainer_nodes} trainer node(s) x "
           f"{lc.learner_procs_per_node} learner rank(s)" +

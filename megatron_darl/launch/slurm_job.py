@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from megatron_darl.config import ConfigError, RunConfig, load_config, preflight
-from megatron_darl.launch.engine_host import bind_address, free_port, node_address, slurm_attempt
+from megatron_darl.config import ConfigError, RunConfig, load_config
+from megatron_darl.launch.engine_host import node_address, slurm_attempt
 from megatron_darl.launch.local import ChildFailed, Supervisor
 from megatron_darl.launch.runner import ENGINE_HOST_MODULE, PY, TRAINER_MODULE, LocalPlacement, learner_env
+from megatron_darl.preflight import preflight
 from megatron_darl.rollout.engine_command import stop_path
 from megatron_darl.run_info import RunInfo, read_marker, run_info_path, wait_for_run_info
 
@@ -76,7 +77,7 @@ class SlurmPlacement(LocalPlacement):
         self.address = node_address()
 
     def rendezvous(self) -> tuple[str, int]:
-        return self.address, free_port(bind_address(self.address))
+        return self.address, 0  # learner rank 0 binds the port itself when it starts
 
     def start_engines(self, info: RunInfo) -> None:
         if info.engine_urls or self.cfg.launch.rollout_nodes:  # someone else's, or the rollout component's
@@ -93,6 +94,11 @@ class SlurmPlacement(LocalPlacement):
         total = self.cfg.launch.trainer.gpus_per_node
         visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
         visible = visible or [str(i) for i in range(total)]
+        if total and len(visible) < total:  # one GPU per task: the engines' GPUs are not this task's
+            raise RuntimeError(f"launch.rollout_nodes=0 runs engines on the first trainer node's GPUs, but its "
+                               f"task sees {len(visible)} of launch.trainer.gpus_per_node={total} "
+                               f"(CUDA_VISIBLE_DEVICES={','.join(visible)}): request --gpus-per-node, not "
+                               "--gpus-per-task, for the trainer component")
         return visible[self.cfg.launch.learner_procs_per_node:] if total else []
 
     def start_learners(self, info: RunInfo) -> None:
@@ -109,7 +115,7 @@ class SlurmPlacement(LocalPlacement):
 
 def task_env(t: SlurmTask, info: RunInfo, cfg: RunConfig) -> dict[str, str]:
     threads = 1 if cfg.launch.trainer.gpus_per_node else cfg.launch.trainer.cpus_per_task
-    return learner_env(t.rank, t.world, info.master_addr, info.master_port, t.local_rank, t.local_world, threads)
+    return learner_env(t.rank, t.world, info, t.local_rank, t.local_world, threads)
 
 
 class TrainerTask(Checkpointable):

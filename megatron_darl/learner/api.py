@@ -121,6 +121,10 @@ class OptimConfig:
     lr_decay_style: str = "constant"  # constant | linear | cosine
     lr_decay_steps: int | None = None  # optimizer steps of decay after warmup (required unless constant)
     distributed_optimizer: bool | None = None  # shard optimizer state over DP; None: on with CUDA
+    # distributed optimizer's checkpoints: false: 'dp_reshardable' (each rank writes its own shard;
+    # resumable at another DP size); true: 'fully_reshardable' (also at another TP/PP, but every
+    # save gathers each DP group's optimizer state on one rank's CPU: ~24 GB per rank at 4B)
+    reshardable_checkpoint: bool = False
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "lr_decay_style": ("constant", "linear", "cosine"),

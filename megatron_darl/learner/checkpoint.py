@@ -28,28 +28,61 @@ _META = "learner_meta.json"
 _EXTRA = "extra_state.pt"
 
 
-def _sharding() -> dict:
-    """Distributed-optimizer checkpoint format. 'fully_reshardable' (canonical per-parameter
-    state, reshardable over TP, PP and DP) when apex/TE's fused Adam is in use; with torch's Adam
-    megatron-core 0.16.1 cannot load that format (it drops the per-parameter 'step' on load), so
-    'dp_reshardable' is used there: exact, but reshardable over DP only. The default
-    'fully_sharded_model_space' is refused by 0.16.1's own ShardedTensor checks. The
-    non-distributed optimizer (CPU) ignores this and is always reshardable."""
+def _sharding(kind: str) -> dict:
+    return {"distrib_optim_sharding_type": kind, "chained_optim_avoid_prefix": True}
+
+
+def _save_kind(learner) -> str:
+    """Distributed-optimizer checkpoint format (the non-distributed optimizer, on CPU, ignores it
+    and is always reshardable). 'dp_reshardable' by default: each rank writes its own shard,
+    exact, resumable at another DP size. 'fully_reshardable' (`optim.reshardable_checkpoint`,
+    resumable at another TP/PP too) gathers every DP shard on one rank's CPU at each save (~24 GB
+    per rank at 4B), and megatron-core 0.16.1 cannot load it with torch's Adam (no apex/TE: it
+    drops the per-parameter 'step'). The default 'fully_sharded_model_space' is refused by
+    0.16.1's own ShardedTensor checks."""
     from megatron.core.optimizer import distrib_optimizer
 
-    kind = "fully_reshardable" if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False) else "dp_reshardable"
-    return {"distrib_optim_sharding_type": kind, "chained_optim_avoid_prefix": True}
+    fused = getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    return "fully_reshardable" if learner.optim_cfg.reshardable_checkpoint and fused else "dp_reshardable"
+
+
+def _saved_kind(meta: dict) -> str:
+    """The format a checkpoint was written in (before it was recorded: the old rule)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    old = "fully_reshardable" if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False) else "dp_reshardable"
+    return meta.get("optimizer_format", old)
+
+
+def _init_empty_adam_state(optimizer) -> None:
+    """A fresh process (a Slurm requeue) has taken no step: with torch's Adam (no apex/TE) the
+    per-parameter states do not exist yet, and megatron-core 0.16.1's
+    `DistributedOptimizer.state_dict()`, which builds the load template, asserts one 'step'
+    across them. Give them the zero state Adam starts from; the load overwrites all of it."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if getattr(dopt, "HAVE_APEX_OR_TE", True):
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, dopt.DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p].update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
+                                          step=torch.tensor(0.0))
 
 
 def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def _sharded_state(learner, *, is_loading: bool) -> dict:
+def _sharded_state(learner, kind: str, *, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ctx, chunks = learner.ctx, learner.chunks
-    sharding = _sharding()
+    sharding = _sharding(kind)
     state = {_model_key(i, len(chunks)): c.sharded_state_dict(metadata=sharding) for i, c in enumerate(chunks)}
     flat_model = {}
     for v in list(state.values()):
@@ -83,7 +116,8 @@ def save(learner, ckpt_dir: str, extra_state: dict[str, Any]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _sharded_state(learner, is_loading=False)
+    kind = _save_kind(learner)
+    state = _sharded_state(learner, kind, is_loading=False)
     state["scheduler"] = learner.scheduler.state_dict()
     dist_checkpointing.save(state, tmp)
     if main:
@@ -91,7 +125,7 @@ def save(learner, ckpt_dir: str, extra_state: dict[str, Any]) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:  # rebuilds the model (darl-logprobs)
             json.dump(learner.hf_config, f, indent=1)
         with open(os.path.join(tmp, _META), "w") as f:
-            json.dump({"step": learner.step, "layout_tp_pp_dp": _layout(learner)}, f)
+            json.dump({"step": learner.step, "layout_tp_pp_dp": _layout(learner), "optimizer_format": kind}, f)
         replace_folder(tmp, ckpt_dir)
     dist.barrier()
 
@@ -109,7 +143,8 @@ def load(learner, ckpt_dir: str) -> dict[str, Any]:
 
     meta = read_meta(ckpt_dir)
     same_layout = meta["layout_tp_pp_dp"] == _layout(learner)
-    state = _sharded_state(learner, is_loading=True)
+    _init_empty_adam_state(learner.optimizer)
+    state = _sharded_state(learner, _saved_kind(meta), is_loading=True)
     state["scheduler"] = learner.scheduler.state_dict()  # non-sharded: comes back from the common state
     if not same_layout:
         del state["rng_state"]

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -103,15 +104,24 @@ def _worker(args: argparse.Namespace) -> None:
 def _self_launch(world: int, argv: list[str]) -> int:
     """Start `world` copies of this command with torch.distributed env vars; if one fails the
     others are stopped (they would wait forever in a collective). Returns the first failure's code."""
-    import time
+    from megatron_darl.learner.parallel import RENDEZVOUS_ENV
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    # rank 0 binds the port and publishes it here (a port chosen now could be taken before it binds)
+    meet = tempfile.mkdtemp(prefix="darl-rendezvous-")
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="0", WORLD_SIZE=str(world),
+                **{RENDEZVOUS_ENV: os.path.join(meet, "rendezvous.json")})
     base.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "megatron_darl.learner.cli", *argv]
-    procs = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+    try:
+        return _supervise([subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+                           for r in range(world)])
+    finally:
+        shutil.rmtree(meet, ignore_errors=True)
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    import time
+
     while any(p.poll() is None for p in procs):
         failed = [p.returncode for p in procs if p.returncode]
         if failed:

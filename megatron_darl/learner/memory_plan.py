@@ -114,7 +114,10 @@ def _layer_bytes(hf: dict[str, Any], s: Setting, tokens: int, recompute: str) ->
     outside = 4 * e * tokens * h / sp
     qk = e * tokens * (a + g) * d if hf.get("model_type", "qwen3") == "qwen3" else 0
     attn = qk + e * tokens * (a + 2 * g) * d + e * tokens * a * d
-    core = 4 * tokens * a if s.te_spec else e * a * tokens * min(tokens, s.max_seq)
+    # local spec: megatron-core's DotProductAttention keeps, per score, the fp32 softmax output
+    # (attention_softmax_in_fp32, for the softmax backward) and its bf16 copy (for the bmm): 6 B
+    per_score = 4 + (e if s.bf16 else 0)
+    core = 4 * tokens * a if s.te_spec else per_score * a * tokens * min(tokens, s.max_seq)
     mlp = e * tokens * f * (3 if s.te_spec else 4)
     whole = outside + (attn + core + mlp) / s.tp
     if recompute == "full":
@@ -188,10 +191,20 @@ def plan_for(hf: dict[str, Any], s: Setting) -> MemoryPlan:
     return MemoryPlan(s, worst, rows)
 
 
-def setting_of(cfg) -> Setting:
-    """Resolve a RunConfig into the plan's setting (GPU run: launch.trainer.gpus_per_node > 0)."""
+def learner_world(cfg) -> tuple[int, str]:
+    """(learner ranks, how that is configured): one node locally, `trainer_nodes` on Slurm."""
+    procs = cfg.launch.learner_procs_per_node
+    if cfg.launch.mode == "slurm":
+        return procs * cfg.launch.trainer_nodes, (f"launch.learner_procs_per_node={procs} x "
+                                                  f"launch.trainer_nodes={cfg.launch.trainer_nodes}")
+    return procs, f"launch.learner_procs_per_node={procs} (launch.mode={cfg.launch.mode}: one node)"
+
+
+def setting_of(cfg, spec: str | None = None) -> Setting:
+    """Resolve a RunConfig into the plan's setting (GPU run: launch.trainer.gpus_per_node > 0).
+    `spec`: the layer spec the learner resolved ("te" | "local"); None: the config's, with
+    `model.spec=auto` on GPUs planned as TE (what a node with megatron-darl[gpu] resolves to)."""
     from megatron_darl.learner.packing import round_up, sequence_multiple
-    from megatron_darl.learner.preflight import learner_world
 
     on_gpu = cfg.launch.trainer.gpus_per_node > 0
     par, model, lc = cfg.parallel, cfg.model, cfg.learner
@@ -204,7 +217,8 @@ def setting_of(cfg) -> Setting:
         sequence_parallel=par.sequence_parallel, recompute=model.recompute,
         recompute_modules=tuple(model.recompute_modules),
         bf16=model.dtype == "bf16" or (model.dtype == "auto" and on_gpu),
-        te_spec=model.spec == "te" or (model.spec == "auto" and on_gpu), distributed_optimizer=dist_opt,
+        te_spec=spec == "te" if spec else model.spec == "te" or (model.spec == "auto" and on_gpu),
+        distributed_optimizer=dist_opt,
         micro_batch_tokens=max(lc.micro_batch_tokens, max_seq),  # a longer row travels alone
         recompute_tokens=max(lc.recompute_tokens, max_seq), max_seq=max_seq, multiple=multiple,
         gpu_gib=lc.gpu_memory_gib, engine_fraction=lc.engine_memory_fraction, on_gpu=on_gpu)
@@ -227,9 +241,10 @@ def _alternatives(s: Setting) -> list[tuple[str, Setting]]:
     return alts
 
 
-def plan_run(cfg, hf: dict[str, Any]) -> MemoryPlan:
-    """The recipe's plan; when it does not fit, `advice` lists the single changes that do."""
-    s = setting_of(cfg)
+def plan_run(cfg, hf: dict[str, Any], spec: str | None = None) -> MemoryPlan:
+    """The recipe's plan (`spec` as in `setting_of`); when it does not fit, `advice` lists the
+    single changes that do."""
+    s = setting_of(cfg, spec)
     plan = plan_for(hf, s)
     if not plan.fits:
         for what, alt in _alternatives(s):
@@ -237,27 +252,3 @@ def plan_run(cfg, hf: dict[str, Any]) -> MemoryPlan:
             if other.fits:
                 plan.advice.append(f"{what} ({other.total / GIB:.1f} GiB)")
     return plan
-
-
-def plan_command(cfg) -> int:
-    """`darl-train --plan`: print the plan; 0 when the recipe may start, 1 when it is refused."""
-    import sys
-
-    from megatron_darl.learner.preflight import layout_errors, learner_world, model_shapes, spec_errors
-
-    hf, source = model_shapes(cfg)
-    if hf is None:
-        print(f"darl-train --plan: model.hf_dir: {source}; the plan needs the model's shapes", file=sys.stderr)
-        return 1
-    print(f"model shapes: {source}")
-    world, src = learner_world(cfg)
-    errors = spec_errors(cfg) + layout_errors(hf, cfg.parallel, world, src)
-    if errors:
-        print("darl-train --plan: the layout does not fit the model:\n  " + "\n  ".join(errors), file=sys.stderr)
-        return 1
-    plan = plan_run(cfg, hf)
-    print(plan.format())
-    if not plan.fits:
-        print(f"darl-train: refused: {plan.refusal()}", file=sys.stderr)
-        return 1
-    return 0

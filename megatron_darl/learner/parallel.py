@@ -9,7 +9,9 @@ What it is not: a launcher. Processes are started by `launch/` or by the CLI's s
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +20,8 @@ import torch.distributed as dist
 
 from megatron_darl.learner.api import ParallelConfig
 from megatron_darl.learner import cpu_compat
+
+RENDEZVOUS_ENV = "DARL_RENDEZVOUS_FILE"  # where learner rank 0 publishes the port it bound (MASTER_PORT=0)
 
 
 @dataclass
@@ -70,16 +74,13 @@ def init_parallel(cfg: ParallelConfig, seed: int, timeout_s: float = 600.0) -> P
         raise ValueError(f"parallel.{field}: {msg}")
     on_gpu = torch.cuda.is_available()
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_device(torch.cuda.device_count()))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         cpu_compat.apply_cpu_compat()
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-        dist.init_process_group(_backend(cfg, on_gpu), timeout=timedelta(seconds=timeout_s))
+        init_world(_backend(cfg, on_gpu), timeout_s)
     world = dist.get_world_size()
     dp = cfg.dp(world)
     if cfg.vpp is not None and not on_gpu:
@@ -105,6 +106,67 @@ def init_parallel(cfg: ParallelConfig, seed: int, timeout_s: float = 600.0) -> P
         dp_rank=ps.get_data_parallel_rank(),
         pg=pg,
     )
+
+
+def local_device(visible: int, environ=os.environ) -> int:
+    """This rank's GPU among the `visible` ones the task sees. With every GPU of the node visible
+    (`--gpus-per-node`) it is LOCAL_RANK; with one per task (`--gpus-per-task=1`, `--gpu-bind`,
+    a per-rank CUDA_VISIBLE_DEVICES) it is that one, whatever LOCAL_RANK says."""
+    local_rank = int(environ.get("LOCAL_RANK", "0"))
+    if visible <= 0:
+        raise RuntimeError(f"learner rank (LOCAL_RANK={local_rank}) sees no GPU "
+                           f"(CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise RuntimeError(f"LOCAL_RANK={local_rank}, but this task sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                       f"{environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}): give each learner rank one GPU "
+                       "(--gpus-per-task=1) or every rank all of the node's (--gpus-per-node)")
+
+
+def init_world(backend: str, timeout_s: float) -> None:
+    """torch.distributed's default group from the torchrun-style environment. With
+    `DARL_RENDEZVOUS_FILE` set and MASTER_PORT=0 (what the launcher gives), rank 0 binds its store
+    on a port the OS picks and publishes it in that file; the other ranks read it there. A port
+    picked by the launcher long before rank 0 binds it can be taken meanwhile on a busy node."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    timeout = timedelta(seconds=timeout_s)
+    path = os.environ.get(RENDEZVOUS_ENV)
+    if not path or os.environ.get("MASTER_PORT", "0") != "0":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = rendezvous_store(path, os.environ["MASTER_ADDR"], rank, world, timeout_s)
+    os.environ["MASTER_PORT"] = str(store.port)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def rendezvous_store(path: str, addr: str, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: a TCPStore on a port bound now, written to `path`; the others: a client of it,
+    once `path` exists (on the run folder every node shares), waiting at most `timeout_s`."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(addr, 0, world, True, timeout, wait_for_workers=False)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"addr": addr, "port": store.port}, fh)
+        os.replace(tmp, path)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                port = int(json.load(fh)["port"])
+            break
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"learner rank {rank}: rank 0 did not publish its rendezvous port in {path} "
+                                   f"within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+    return dist.TCPStore(addr, port, world, False, timeout)
 
 
 def destroy_parallel(keep_world: bool = False) -> None:

@@ -7,7 +7,7 @@ machine without the weights, the published shapes of the models the shipped reci
 width, that pipeline stages divide the layers, and that the learner world size
 (`launch.learner_procs_per_node` x trainer nodes) is a multiple of tp x pp, naming the keys and
 the values that would work; `learner_preflight(cfg)` runs them with the sequence-parallel and
-memory-plan checks, for `config.preflight`.
+memory-plan checks, for the run's `preflight.py`; `plan_command`, `darl-train --plan`.
 What it is not: config validation of single keys (each dataclass's `check()`), or the learner's
 runtime checks (Megatron repeats them, 20 s into a run).
 """
@@ -17,7 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
+
+from megatron_darl.learner.memory_plan import learner_world, plan_run
 
 # Published config.json values of the models the shipped GPU recipes train (Hugging Face
 # Qwen/Qwen3-1.7B and Qwen/Qwen3-4B; the same figures as slime's scripts/models/qwen3-*.sh), so
@@ -66,15 +69,6 @@ def model_shapes(cfg) -> tuple[dict[str, Any] | None, str]:
     return None, f"no config.json in {hf_dir!r}"
 
 
-def learner_world(cfg) -> tuple[int, str]:
-    """(learner ranks, how that is configured): one node locally, `trainer_nodes` on Slurm."""
-    procs = cfg.launch.learner_procs_per_node
-    if cfg.launch.mode == "slurm":
-        return procs * cfg.launch.trainer_nodes, (f"launch.learner_procs_per_node={procs} x "
-                                                  f"launch.trainer_nodes={cfg.launch.trainer_nodes}")
-    return procs, f"launch.learner_procs_per_node={procs} (launch.mode={cfg.launch.mode}: one node)"
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -117,14 +111,12 @@ def spec_errors(cfg) -> list[str]:
 
 def learner_preflight(cfg) -> list[str]:
     """Everything the learner can check before a run starts; [] when it may start."""
-    from megatron_darl.learner import memory_plan
-
     from checkpoint_tools.adapters import get_adapter
 
     hf, source = model_shapes(cfg)
     errors = spec_errors(cfg)
     if hf is None:
-        return errors  # config.preflight already names the missing config.json
+        return errors  # preflight.py already names the missing config.json
     try:
         get_adapter(hf)  # an architecture the converter and the learner map, with its fields
         world, src = learner_world(cfg)
@@ -133,7 +125,44 @@ def learner_preflight(cfg) -> list[str]:
         return errors + [f"model.hf_dir: {source}: {exc}"]
     if errors:
         return errors
-    plan = memory_plan.plan_run(cfg, hf)
+    plan = plan_run(cfg, hf)
     if not plan.fits:
         errors.append(plan.refusal())
     return errors
+
+
+def plan_command(cfg) -> int:
+    """`darl-train --plan`: print the plan; 0 when the recipe may start, 1 when it is refused."""
+    hf, source = model_shapes(cfg)
+    if hf is None:
+        print(f"darl-train --plan: model.hf_dir: {source}; the plan needs the model's shapes", file=sys.stderr)
+        return 1
+    print(f"model shapes: {source}")
+    world, src = learner_world(cfg)
+    errors = spec_errors(cfg) + layout_errors(hf, cfg.parallel, world, src)
+    if errors:
+        print("darl-train --plan: the layout does not fit the model:\n  " + "\n  ".join(errors), file=sys.stderr)
+        return 1
+    plan = plan_run(cfg, hf)
+    print(plan.format())
+    if not plan.fits:
+        print(f"darl-train: refused: {plan.refusal()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check_resolved_spec(cfg, on_gpu: bool, te: bool) -> None:
+    """On the learner's node: `model.spec=auto` without Transformer Engine falls back to the
+    local spec, which the plan made at submit did not assume (its attention keeps ~6 B per
+    score, not flash attention's 4 B per row): refuse, with the local spec's plan, a recipe that
+    then does not fit, before any GPU memory is taken."""
+    if not on_gpu or te or cfg.model.spec != "auto":
+        return
+    hf, source = model_shapes(cfg)
+    if hf is None:
+        return
+    plan = plan_run(cfg, hf, spec="local")
+    if not plan.fits:
+        raise RuntimeError("transformer_engine is not importable on this node, so model.spec=auto fell back to "
+                           f"megatron-core's local spec: {plan.refusal()}; install megatron-darl[gpu] on the "
+                           "trainer nodes (Transformer Engine) or set model.spec=local with a plan that fits")

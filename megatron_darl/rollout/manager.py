@@ -11,7 +11,7 @@ everything in flight on it and requeues those samples on other engines; a health
 engines back (restarting embedded ones through the restarter). No prompt is lost or written
 twice: a drawn prompt is in flight (and in `state_dict()`), written, or filtered or dropped
 (both counted).
-The process entry (`python -m megatron_darl.rollout.manager ...`) and the adapters to the real
+The process entry (`python -m megatron_darl.rollout.manager_process ...`) and the adapters to the real
 ring buffer and engines are in `manager_process.py`.
 What it is not: an engine client, a reward grader, the gate's formula or the ring buffer;
 it drives them through the small protocols below (`workflow.RewardPoolScorer` adapts the
@@ -24,7 +24,6 @@ import asyncio
 import collections
 import logging
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Protocol
@@ -664,9 +663,3 @@ class RolloutManager:
 
     def _busy(self) -> float:
         return sum(s.busy_total(self._clock()) for s in self._slots)
-
-
-if __name__ == "__main__":
-    from megatron_darl.rollout.manager_process import main
-
-    sys.exit(main())

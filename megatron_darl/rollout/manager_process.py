@@ -2,7 +2,7 @@
 
 What it is: `RingSink` (the node's shared-memory ring buffer as the manager's trajectory sink),
 the two engine restarters, and `main()`, the process the launcher starts beside the ring:
-`python -m megatron_darl.rollout.manager --run-info <run_dir>/run_info.json`. With a run-info
+`python -m megatron_darl.rollout.manager_process --run-info <run_dir>/run_info.json`. With a run-info
 record it takes everything from it (config, ring, notice and status paths, the state to resume)
 and finds its engines through their hosts' announcements: `AnnouncedEngineRestarter` waits for
 every engine, and replaces one that stopped answering by asking its host (on whatever node) and
@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -100,7 +101,7 @@ class EmbeddedEngineRestarter:
         # the child imports this package from wherever this process did, installed or not
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, **spec.env(), "PYTHONPATH": path}
+        env = {**os.environ, **spec.env((self.host,)), "PYTHONPATH": path}
         proc = await asyncio.create_subprocess_exec(*spec.command(self.host, port), stdout=out,
                                                     stderr=subprocess.STDOUT, env=env)
         if log_path:
@@ -183,7 +184,7 @@ class AnnouncedEngineRestarter:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_darl.rollout.manager",
+    p = argparse.ArgumentParser(prog="python -m megatron_darl.rollout.manager_process",
                                 description="The rollout manager beside the ring buffer (started by the launcher).")
     p.add_argument("--run-info", default=None, help="<run_dir>/run_info.json: everything below comes from it")
     p.add_argument("--config", default=None, help="standalone: the run's resolved YAML config")
@@ -236,12 +237,12 @@ async def _aengines(cfg: Any, where: dict[str, Any], args: argparse.Namespace) -
     info = where["announced"]
     if info is not None:  # engine hosts run them, on this node or on rollout nodes
         restarter = AnnouncedEngineRestarter(info.engines_dir, info.attempt, make_client,
-                                             startup_timeout_s=cfg.launch.startup_timeout_s)
+                                             startup_timeout_s=cfg.launch.engine_startup_s(cfg.rollout.backend))
         return await restarter.aconnect(info.num_engines), restarter
     restarter = None
     if rc.backend == "torch":
         restarter = EmbeddedEngineRestarter(cfg.model.hf_dir, api_key=rc.api_key, threads=rc.engine_threads,
-                                            startup_timeout_s=cfg.launch.startup_timeout_s,
+                                            startup_timeout_s=cfg.launch.engine_startup_s(cfg.rollout.backend),
                                             request_timeout_s=rc.request_timeout_s,
                                             pids=dict(enumerate(args.engine_pid)), log_dir=where["log_dir"],
                                             max_batch=rc.max_concurrent_per_engine, seed=cfg.train.seed)
@@ -274,7 +275,7 @@ async def _amain(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(cfg.model.tokenizer_dir)
     loader = build_loader(cfg.data, tokenizer)
     engines, restarter = await _aengines(cfg, where, args)
-    ring = ShmRing.attach(where["ring"], timeout=cfg.launch.startup_timeout_s)
+    ring = ShmRing.attach(where["ring"], timeout=cfg.launch.engine_startup_s(cfg.rollout.backend))
     sink = RingSink(ring)
     pool = RewardPool(cfg.reward)
     scorer = RewardPoolScorer(pool, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
@@ -302,3 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     asyncio.run(_amain(_parser().parse_args(argv)))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -176,7 +176,9 @@ class SGLangClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
             limit = 0 if self.max_connections is None else self.max_connections + CONTROL_CONNECTIONS
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0))
+            # trust_env=False (aiohttp's default, stated): engines are never reached through a proxy
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0),
+                                                  trust_env=False)
             self._session_loop = loop
         return self._session
 

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 import pytest
@@ -277,7 +278,7 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
         run.start()
         run.wait_for(lambda: len(run.ledger()) >= 3, 240, "3 trained steps (a checkpoint at step 2)")
         run_id, groups = run.run_info()["run_id"], run_groups(run)
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager"), signal.SIGKILL)
+        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager_process"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
         assert code != 0 and "process 'rollout' stopped with signal SIGKILL" in out, out[-3000:]
@@ -301,3 +302,32 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
     written = set(loader_sequence(cfg_path, len(trained) + 4 * 8)[:drawn]) - inflight
     assert len(written) == side["counters"]["groups_written"]
     assert written <= set(trained), f"lost across the kill: {sorted(written - set(trained))}"
+
+
+class SlowLearner(Learner):
+    def save(self, path, extra):
+        time.sleep(1.2)  # a 4B checkpoint writes about 56 GB
+        super().save(path, extra)
+
+
+@pytest.mark.timeout(60)
+def test_a_save_longer_than_slurms_warning_says_so_and_so_does_the_next_start(tmp_path, capsys):
+    """Slurm's USR2 comes launch.signal_before_s before the time limit; a save that does not fit
+    in it would be killed midway at the next preemption: the save and the next attempt say so."""
+    ckpt, manager = checkpointer(tmp_path, tmp_path / "ckpt", SlowLearner())
+    ckpt.save_budget_s = 1.0
+    try:
+        ckpt.save(3)
+    finally:
+        manager.stop.set()
+    recorded = json.load(open(tmp_path / "ckpt" / "save_time.json"))
+    assert recorded["step"] == 3 and recorded["seconds"] >= 1.2
+    assert "checkpoint of step 3 took 1 s, more than launch.signal_before_s=1 s" in capsys.readouterr().out
+    again, manager = checkpointer(tmp_path, tmp_path / "ckpt", Learner())  # a requeued attempt
+    manager.stop.set()
+    again.save_budget_s = 1.0
+    again.resume(None)
+    assert "raise launch.signal_before_s to at least" in capsys.readouterr().out
+    again.save_budget_s = 60.0
+    again.resume(None)
+    assert capsys.readouterr().out == ""

@@ -16,7 +16,8 @@ import os
 import pytest
 
 from megatron_darl.cli import train_main
-from megatron_darl.config import ConfigError, load_config, preflight, to_yaml
+from megatron_darl.config import ConfigError, load_config, to_yaml
+from megatron_darl.preflight import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "cpu_demo_darl.yaml")

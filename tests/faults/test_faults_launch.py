@@ -162,8 +162,8 @@ class RejectingEngine:
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one_rank", "tp2"])
 def test_sigterm_while_learners_wait_for_data_checkpoints_and_stops(tmp_path, warm, ranks):
-    """With two ranks the second waits inside the batch broadcast while the first waits for data:
-    it must learn of the preemption there and take part in the checkpoint."""
+    """With two ranks the second waits for the first's word (outside any collective) while the
+    first waits for data: it must learn of the preemption there and take part in the checkpoint."""
     with RejectingEngine() as engine:
         run = new_run(tmp_path, warm, "starved", rollout={"backend": "sglang", "engine_urls": [engine.url]},
                       train={"steps": 20}, checkpoint={"every_steps": 0}, parallel={"tp": ranks},

@@ -28,7 +28,7 @@ def test_rollout_manager_crash_stops_everything(tmp_path, warm_model):
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"darl-{run_id}-")], "no shared memory in use?"
         groups = run_groups(run)
         assert len(group_members(groups)) >= 4  # launcher, engine, rollout manager, learner
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager"), signal.SIGKILL)
+        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager_process"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
         assert code != 0, out[-3000:]

@@ -15,12 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from e2e_harness import new_run
+from megatron_darl.launch.engine_host import healthy
 from sglang_release import fetch_release
 
 STEPS = 3
@@ -34,11 +34,7 @@ def _free_port() -> int:
 
 
 def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health_generate", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return healthy(url)
 
 
 def served_calls(path: Path) -> list[dict]:

@@ -85,7 +85,9 @@ def test_learner_ranks_on_two_nodes_give_the_one_machine_losses(tmp_path, warm_m
     comps = job_components(job_id_of(nodes.output()))
     assert len(comps) == 1 and comps[0]["NodeList"] in ("node[1-2]", "node[2-3]", "node[1,3]"), comps
     info = nodes.run_info()
-    assert info["learner_world"] == 2 and info["master_port"] > 0
+    assert info["learner_world"] == 2 and info["master_port"] == 0  # rank 0 bound one and published it:
+    published = json.loads(Path(info["engines_dir"], f"rendezvous.{info['attempt']}.json").read_text())
+    assert published["port"] > 0 and published["addr"] == info["master_addr"]
     a, b = ({m["step"]: m for m in r.metrics()} for r in (nodes, local))
     assert sorted(a) == sorted(b) == [0, 1, 2]
     for step in range(3):

@@ -42,7 +42,7 @@ def test_embedded_command_carries_every_setting():
     ns = _parse_embedded(argv[3:])
     assert (ns.model, ns.host, ns.port, ns.threads, ns.max_batch, ns.seed, ns.api_key) == \
         ("/m", "127.0.0.1", 31000, 2, 96, 41, "k")
-    assert specs[1].env() == {"OMP_NUM_THREADS": "2"}
+    assert specs[1].env()["OMP_NUM_THREADS"] == "2"
     assert specs[0].command("h", 1) != specs[1].command("h", 1)  # each engine its own seed
 
 
@@ -92,3 +92,30 @@ def test_restart_requests_name_attempt_and_generation(tmp_path):
     request_restart(d, 2, "a", 4)
     assert read_restart_request(d, 2, "a") == 4
     assert read_restart_request(d, 2, "b") is None
+
+
+def test_each_sglang_server_compiles_into_its_own_node_local_cache(tmp_path, monkeypatch):
+    """8 cold servers of a node used to share one JIT cache under ~/.cache (often a network disk)."""
+    import glob
+    import os
+    import re
+    import zipfile
+
+    from sglang_release import CACHE, fetch_release
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/home/.triton")  # a site-wide setting does not win
+    cfg = load_config(None, ["model.hf_dir=/m", "rollout.backend=sglang"])
+    envs = [s.env() for s in engine_specs(cfg, [8, 9], gpus=["0", "1"])]
+    roots = [e["SGLANG_CACHE_DIR"] for e in envs]
+    assert roots[0] != roots[1] and all(r.startswith(str(tmp_path)) for r in roots)
+    assert envs[0]["TRITON_CACHE_DIR"] == os.path.join(roots[0], "triton")
+    # the keys are the ones sglang 0.5.23 redirects under SGLANG_CACHE_DIR (srt/environ.py)
+    fetch_release()
+    (wheel,) = glob.glob(os.path.join(CACHE, "sglang-0.5.23", "sglang-0.5.23-*.whl"))
+    src = zipfile.ZipFile(wheel).read("sglang/srt/environ.py").decode()
+    body = src[src.index("def third_party_cache_defaults"):src.index("def redirect_third_party_caches")]
+    assert set(re.findall(r'"([A-Z_]+)":', body)) - {"TILELANG_CACHE_DIR"} <= set(envs[0])
+    explicit = load_config(None, ["model.hf_dir=/m", "rollout.backend=sglang", "launch.engine_cache_dir=/local/c"])
+    assert engine_specs(explicit, [0], gpus=["0"])[0].env()["SGLANG_CACHE_DIR"] == "/local/c/engine0"
+    assert "SGLANG_CACHE_DIR" not in engine_specs(load_config(None, ["model.hf_dir=/m"]), [0])[0].env()

@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from megatron_darl.config import load_config, save_resolved
-from megatron_darl.launch.engine_host import host_error_path, probe_path
+from megatron_darl.launch.engine_host import DIRECT, host_error_path, probe_path
 from megatron_darl.launch.session import make_run_info
 from megatron_darl.rollout.engine_command import read_announcement, request_restart, stop_path
 from megatron_darl.run_info import write_marker
@@ -31,7 +30,7 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_he
             eos_token_id=3, bos_token_id=2)
 
 
-def _run(tmp_path, probe: bool = True):
+def _run(tmp_path, probe: bool = True, env: dict[str, str] | None = None):
     model = tmp_path / "model"
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(str(model))
@@ -47,7 +46,7 @@ def _run(tmp_path, probe: bool = True):
     info.save()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_darl.launch.engine_host", "--run-info", info.path,
                              "--attempt", info.attempt, "--address", "127.0.0.1"],
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
                             stdout=open(tmp_path / "host.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     return info, proc
 
@@ -84,7 +83,7 @@ def test_host_announces_replaces_and_stops(tmp_path):
         second = _announced(info, 1, proc)
         assert second.url != first.url and second.pid != first.pid
         assert _flags(_cmdline(second.pid)) == flags
-        with urllib.request.urlopen(second.url + "/health_generate", timeout=10) as resp:
+        with DIRECT.open(second.url + "/health_generate", timeout=10) as resp:
             assert resp.status == 200
         request_restart(info.engines_dir, 0, info.attempt, 1)  # what the manager does with a hung engine
         third = _announced(info, 2, proc)
@@ -96,6 +95,25 @@ def test_host_announces_replaces_and_stops(tmp_path):
         assert proc.wait(timeout=60) == 0
         time.sleep(0.5)
         assert not os.path.exists(f"/proc/{third.pid}") or "Z" in open(f"/proc/{third.pid}/stat").read().split()[2]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow  # about 15 s: one engine start
+@pytest.mark.timeout(300)
+def test_host_announces_with_a_dead_proxy_exported(tmp_path):
+    """HPC sites export proxies on compute nodes; before, the health probe went to the proxy and
+    the run stopped with "engines not ready ... not announced"."""
+    proxy = {k: "http://127.0.0.1:9" for k in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY")}
+    info, proc = _run(tmp_path, env={**proxy, "no_proxy": "", "NO_PROXY": ""})
+    try:
+        first = _announced(info, 0, proc)
+        environ = dict(e.split("=", 1) for e in open(f"/proc/{first.pid}/environ").read().split("\0") if "=" in e)
+        assert "127.0.0.1" in environ["no_proxy"].split(",")  # what SGLang's self-warmup needs
+        write_marker(stop_path(info.engines_dir), info.attempt)
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

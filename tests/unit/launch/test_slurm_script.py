@@ -62,6 +62,8 @@ def test_placement_problems_name_their_keys():
     assert any("weight_sync=shm" in p for p in problems("launch.rollout_nodes=1", "rollout.weight_sync=shm"))
     assert any("launch.rollout_nodes=0" in p for p in problems("launch.rollout_nodes=1", "rollout.backend=sglang",
                                                                  "rollout.engine_urls=[http://h:1]"))
+    assert any("launch.stop_timeout_s=300 > launch.signal_before_s=120" in p for p in problems(
+        "launch.signal_before_s=120"))  # the checkpoint started at Slurm's warning would be killed
     assert any("GPUs left by the learners" in p for p in problems(
         "rollout.backend=sglang", "launch.trainer.gpus_per_node=8", "launch.learner_procs_per_node=6",
         "rollout.num_engines=4"))
@@ -88,3 +90,54 @@ def test_overall_state_of_the_components():
     assert overall(["COMPLETED", "FAILED"]) == "FAILED"
     assert overall(["REQUEUED", "CANCELLED"]) == "REQUEUED"
     assert overall([]) == "UNKNOWN"
+
+
+def _srun_lines(script: str) -> list[str]:
+    """Each srun command of a bash script, continuation lines joined."""
+    joined = script.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines() if line.strip().startswith("srun ")]
+
+
+def test_every_srun_names_its_cpus():
+    """Slurm 22.05-23.02 do not pass the job's --cpus-per-task on to srun: every task would be
+    pinned to one core (8 SGLang servers, or the manager with its reward workers)."""
+    s = _script("launch.rollout_nodes=1", "launch.trainer={cpus_per_task: 12}", "launch.rollout={cpus_per_task: 96}")
+    engines, learners = _srun_lines(s)
+    assert "--het-group=1 --cpus-per-task=96" in engines and "--het-group=0 --cpus-per-task=12" in learners
+    (one,) = _srun_lines(_script("launch.trainer={cpus_per_task: 7}"))
+    assert "--cpus-per-task=7" in one
+
+
+def test_every_srun_of_the_sbatch_scripts_names_its_cpus():
+    scripts = sorted((Path(__file__).resolve().parents[3] / "slurm").glob("*.sbatch"))
+    assert len(scripts) >= 3
+    for path in scripts:
+        lines = _srun_lines(path.read_text())
+        assert lines and all("--cpus-per-task=" in line for line in lines), (path.name, lines)
+
+
+def test_engines_beside_learners_take_the_gpus_the_learners_leave(monkeypatch):
+    import pytest
+
+    from megatron_darl.launch.slurm_job import SlurmPlacement, SlurmTask
+
+    cfg = load_config(None, ["model.hf_dir=/m", "launch.mode=slurm", "launch.rollout_nodes=0",
+                             "launch.learner_procs_per_node=4", "launch.trainer={gpus_per_node: 8}"])
+    placement = SlurmPlacement(cfg, None, SlurmTask(0, 4, 0, 4, "1", "1.0"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert placement.engine_gpus() == ["4", "5", "6", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # --gpus-per-task=1: rank 0's task sees its own GPU only
+    with pytest.raises(RuntimeError, match="sees 1 of launch.trainer.gpus_per_node=8.*--gpus-per-node"):
+        placement.engine_gpus()
+
+
+def test_a_node_local_run_folder_is_refused_before_submission(monkeypatch):
+    from megatron_darl.launch.slurm import run_dir_problem
+
+    cluster = ["gpu01", "gpu02"]
+    assert "node-local (under /tmp)" in run_dir_problem("/tmp/runs/x", cluster)
+    assert "train.run_dir=/dev/shm/r" in run_dir_problem("/dev/shm/r", cluster)
+    monkeypatch.setenv("TMPDIR", "/scratch/job7")
+    assert "under /scratch/job7" in run_dir_problem("/scratch/job7/run", cluster)
+    assert run_dir_problem("/work/runs/x", cluster) is None
+    assert run_dir_problem("/tmp/runs/x", ["localhost"]) is None  # every node is this machine: nothing is local

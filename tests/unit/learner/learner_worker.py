@@ -233,17 +233,26 @@ def rank_allocations(learner) -> dict:
     import torch
 
     params = [p for c in learner.chunks for p in c.parameters()]
-    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in learner.ddp for b in c.buffers)
+    buffers = [b for c in learner.ddp for b in c.buffers]
+    # megatron-core 0.16.1's distributed optimizer pads its grad buffer (each parameter's start to
+    # 64 values, each bucket's end to lcm(dp, 128)): the plan counts the unpadded values
+    grads = sum(b.numel_unpadded * b.grad_data.element_size() for b in buffers)
     opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
     state = 0
     for opt in opts:
         for st in opt.optimizer.state.values():
             state += sum(t.numel() * t.element_size() for k, t in st.items()
                          if torch.is_tensor(t) and k != "step")
-        for group in getattr(opt, "fp32_from_float16_groups", []):  # bf16: fp32 master weights
-            state += sum(p.numel() * p.element_size() for p in group)
+        # bf16 fp32 master weights: Float16OptimizerWithFloat16Params keeps them in
+        # fp32_from_float16_groups, the DistributedOptimizer (its shard) in shard_fp32_from_float16_groups
+        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            for group in getattr(opt, name, None) or []:
+                state += sum(p.numel() * p.element_size() for p in group if p is not None)
     return {"tp_rank": learner.ctx.tp_rank, "pp_rank": learner.ctx.pp_rank, "numel": sum(p.numel() for p in params),
-            "parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads, "optimizer": state}
+            "parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads, "optimizer": state,
+            "gradients_allocated": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            "grad_tensors": sum(len(b.params) for b in buffers),
+            "grad_buckets": sum(len(b.buckets) for b in buffers)}
 
 
 def gather_allocations(learner) -> list:
@@ -340,6 +349,29 @@ def scenario_gpu(args: dict) -> dict:
            "seq_multiple": learner.seq_multiple})
     learner.close()
     torch.cuda.synchronize()
+    return out
+
+
+def scenario_gpu_resume(args: dict) -> dict:
+    """One CUDA rank, bf16 local spec, distributed optimizer: `args["save"]` trains and saves;
+    otherwise this fresh process (no step taken: a Slurm requeue) loads and trains one step."""
+    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    learner = MegatronLearner(
+        ModelConfig(hf_dir=args["hf_dir"], spec="local", dtype="bf16", make_vocab_size_divisible_by=128),
+        ParallelConfig(), OptimConfig(lr=3e-3, distributed_optimizer=True), LearnerConfig(micro_batch_tokens=256),
+        AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", ppo_n_minibatches=1), temperature=0.9)
+    batch = learner.broadcast_batch(make_batch())
+    batch.behav_logprobs = learner.compute_logprobs(batch) * batch.loss_mask
+    if args["save"]:
+        learner.train_step(batch)
+        learner.save(args["ckpt"], {"k": 1})
+        out = {"next": learner.train_step(batch)}
+    else:
+        extra = learner.load(args["ckpt"])
+        out = {"next": learner.train_step(batch), "extra": extra, "step": learner.step}
+    learner.close()
     return out
 
 

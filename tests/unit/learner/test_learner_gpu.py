@@ -31,6 +31,17 @@ def test_local_spec_bf16_distributed_optimizer_trains(hf_dir, tmp_path):
     assert out["max_logprob_diff_vs_fp32_reference"] < 0.1  # bf16 forward near the fp32 HF model
 
 
+def test_a_fresh_process_resumes_the_distributed_optimizer(hf_dir, tmp_path):
+    """What a Slurm requeue does: load in a process that has taken no step. Without apex/TE,
+    megatron-core 0.16.1 asserted on torch Adam's empty per-parameter state."""
+    args = {"hf_dir": hf_dir, "ckpt": str(tmp_path / "ckpt")}
+    first = W.launch("gpu_resume", {**args, "save": True}, 1, str(tmp_path))
+    again = W.launch("gpu_resume", {**args, "save": False}, 1, str(tmp_path))
+    assert again["extra"] == {"k": 1} and again["step"] == 1
+    for m in ("train/loss", "train/grad_norm"):
+        assert abs(first["next"][m] - again["next"][m]) < 1e-5, m
+
+
 @pytest.mark.skipif(not _have_te(), reason="needs transformer_engine")
 def test_te_spec_matches_hf_and_trains(hf_dir, tmp_path):
     out = W.launch("gpu", {"hf_dir": hf_dir, "spec": "te", "fp8": None, "dtype": "fp32",

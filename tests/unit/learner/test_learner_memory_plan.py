@@ -24,6 +24,10 @@ def test_bf16_distributed_optimizer_bytes_match_real_allocations(tmp_path):
     plan = MP.state_bytes(config, tp=1, pp=1, stage=0, bf16=True, dp=1, distributed_optimizer=True)
     for key in ("numel", "parameters", "gradients", "optimizer"):
         assert rank[key] == plan[key], (key, rank, plan)
+    # the allocation adds the distributed optimizer's padding: under 64 values per parameter
+    # and lcm(dp=1, 128) per bucket (megatron-core 0.16.1, param_and_grad_buffer.py)
+    pad = 4 * (64 * rank["grad_tensors"] + 128 * rank["grad_buckets"])
+    assert plan["gradients"] <= rank["gradients_allocated"] <= plan["gradients"] + pad, rank
 
 
 def _cfg(path, *over):
@@ -85,3 +89,28 @@ def test_cpu_runs_print_a_plan_without_gpu_check(capsys):
     assert train_main(["--config", "configs/cpu_demo_darl.yaml", "--plan"]) == 0
     out = capsys.readouterr().out
     assert "built-in model" in out and "not checked against a GPU" in out
+
+
+def test_the_local_spec_plans_six_bytes_per_attention_score():
+    """megatron-core's local DotProductAttention keeps the fp32 softmax output and its bf16 copy."""
+    hf = MP_published("qwen3-1.7b")
+    cfg = _cfg("configs/qwen3_1p7b_gsm8k_darl.yaml", "model.recompute=none")
+    te, local = MP.setting_of(cfg, "te"), MP.setting_of(cfg, "local")
+    t, a, f, tp = 4096, hf["num_attention_heads"], hf["intermediate_size"], te.tp
+    gap = MP._layer_bytes(hf, local, t, "none")[0] - MP._layer_bytes(hf, te, t, "none")[0]
+    assert gap == (6 * a * t * min(t, local.max_seq) - 4 * t * a + 2 * t * f) / tp
+
+
+def test_a_node_without_te_refuses_the_1p7b_recipe_that_planned_te():
+    """The 1.7B recipe plans under 80 GiB with TE; with model.spec=auto on a node without TE it
+    runs the local spec, whose attention does not fit: refused on the node, naming both."""
+    from megatron_darl.learner.preflight import check_resolved_spec
+
+    cfg = _cfg("configs/qwen3_1p7b_gsm8k_darl.yaml")  # shapes: the published Qwen3-1.7B
+    hf = MP_published("qwen3-1.7b")
+    te, local = MP.plan_run(cfg, hf, "te"), MP.plan_run(cfg, hf, "local")
+    assert te.fits and not local.fits and local.total > 1.3 * te.total, (te.total / GIB, local.total / GIB)
+    with pytest.raises(RuntimeError, match="fell back to megatron-core's local spec.*megatron-darl\\[gpu\\]"):
+        check_resolved_spec(cfg, on_gpu=True, te=False)
+    check_resolved_spec(cfg, on_gpu=True, te=True)
+    check_resolved_spec(cfg, on_gpu=False, te=False)

@@ -1,4 +1,4 @@
-"""`python -m megatron_darl.rollout.manager` as the launcher starts it: a resolved YAML config,
+"""`python -m megatron_darl.rollout.manager_process` as the launcher starts it: a resolved YAML config,
 the node's ring (created by the 'learner', this test), a weight-notice file and one engine URL.
 It fills the ring with procedural prompts scored by the reward pool, honours the gate (eta=0:
 one batch per version), follows a new version from the notice, answers a state request, and
@@ -73,7 +73,7 @@ def test_manager_process_end_to_end(tmp_path):
     try:
         url = loop.run_until_complete(start_engine())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_darl.rollout.manager", "--config", str(tmp_path / "cfg.yaml"),
+            [sys.executable, "-m", "megatron_darl.rollout.manager_process", "--config", str(tmp_path / "cfg.yaml"),
              "--ring", name, "--weight-notice", str(notice), "--engine-url", url],
             env=env, cwd=str(tmp_path), stdout=open(tmp_path / "manager.log", "w"), stderr=subprocess.STDOUT)
         first = read_groups(ring, 4, 60)  # version 0, eta 0: exactly one batch of 2 groups x G=2
