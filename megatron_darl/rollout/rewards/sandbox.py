@@ -60,6 +60,11 @@ class SandboxLimits:
             )
 
 
+class SandboxRefused(RuntimeError):
+    """The machine refused the isolation the sandbox needs; the program did not run. Raised, not
+    reported as a result: a grader must not turn it into a score of 0."""
+
+
 @dataclass
 class SandboxResult:
     """How a sandboxed program ended.
@@ -109,10 +114,14 @@ def sandbox_problem(limits: SandboxLimits | None = None) -> str | None:
     one trivial program the way every graded program runs."""
     if os.geteuid() != 0:
         return _NOT_ROOT.format(uid=os.geteuid())
-    result = run_sandboxed("print('ok')", "", limits)
-    if result.status == "ok" and result.stdout.strip() == "ok":
-        return None
-    return (f"the code sandbox cannot run a program here: {result.stderr.strip()[-500:]} "
+    try:
+        result = run_sandboxed("print('ok')", "", limits)
+        if result.status == "ok" and result.stdout.strip() == "ok":
+            return None
+        why = result.stderr.strip()[-500:]
+    except SandboxRefused as exc:
+        why = str(exc)
+    return (f"the code sandbox cannot run a program here: {why} "
             "(it needs network, mount and PID namespaces: in a container, run it with "
             "--cap-add SYS_ADMIN and a seccomp profile that allows unshare and mount, or --privileged)")
 
@@ -125,8 +134,8 @@ def run_sandboxed(
     program: str, stdin: str = "", limits: SandboxLimits | None = None, *, isolate: bool = True
 ) -> SandboxResult:
     """Run Python source `program` confined, feeding it `stdin`; never raises for what the
-    program does. Where the namespaces are refused the program does not run (status "error",
-    the reason in stderr). `isolate=False` skips them for the audit-hook fallback, which the
+    program does. Where the namespaces are refused the program does not run: SandboxRefused
+    names why (the reward worker reports it as a grader error). `isolate=False` skips them for the audit-hook fallback, which the
     tests exercise: it cannot stop a subprocess, so nothing else uses it."""
     limits = limits or SandboxLimits()
     if os.geteuid() != 0:
@@ -217,9 +226,8 @@ def _collect(paths: dict[str, str], returncode: int, timed_out: bool, wall: floa
     stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
     if timed_out:
         status = "timeout"
-    elif report is not None and report.get("refused"):
-        status = "error"  # the isolation was refused: the program did not run
-        stderr = f"sandbox refused to run the program: {report['refused']}"
+    elif report is not None and report.get("refused"):  # the program did not run
+        raise SandboxRefused(f"sandbox refused to run the program: {report['refused']}")
     elif report is None:
         status = "error"  # the launcher died before the program ran
         stderr = f"sandbox launcher failed (exit {returncode}): {stderr}"

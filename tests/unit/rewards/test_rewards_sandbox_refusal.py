@@ -3,8 +3,8 @@
 Before, a machine that refused namespaces (a container without CAP_SYS_ADMIN, Docker's default)
 ran every program under the audit-hook fallback, which cannot stop a subprocess, and said
 nothing; a non-root run errored on every code item. Now the launcher does not run the program
-without its namespaces, and a run whose data are code tasks stops before it starts, naming
-the reason. The refusal is reproduced for real: the child processes drop CAP_SYS_ADMIN
+without its namespaces (SandboxRefused: a grader error the pool logs, not a score of 0), and a
+run whose data are code tasks stops before it starts, naming the reason. The refusal is reproduced for real: the child processes drop CAP_SYS_ADMIN
 (`setpriv`, as Docker does) or root itself.
 """
 
@@ -25,12 +25,21 @@ NO_SYS_ADMIN = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
 
 PROBE = """
 import json, os, sys
-from megatron_darl.rollout.rewards.sandbox import run_sandboxed, sandbox_problem
+from megatron_darl.rollout.rewards.sandbox import SandboxRefused, run_sandboxed, sandbox_problem
 from megatron_darl.data.api import DataConfig
 from megatron_darl.data.sources import preflight
 marker = sys.argv[1]
-r = run_sandboxed(f"open({marker!r}, 'w').write('ran')\\nprint('ran')", "")
-print(json.dumps({"status": r.status, "stderr": r.stderr, "problem": sandbox_problem(),
+try:
+    r = run_sandboxed(f"open({marker!r}, 'w').write('ran')\\nprint('ran')", "")
+    status, stderr = r.status, r.stderr
+except SandboxRefused as exc:  # the program did not run
+    status, stderr = "refused", str(exc)
+from megatron_darl.rollout.rewards.api import RewardConfig
+from megatron_darl.rollout.rewards.worker import Grader, handle
+item = {"prompt": "", "response": "print(5)", "kind": "code",
+        "answer": {"format": "stdio", "cases": [{"input": "", "output": "5"}]}}
+graded = handle(Grader(RewardConfig()), {"id": 1, "item": item})
+print(json.dumps({"status": status, "stderr": stderr, "problem": sandbox_problem(), "graded": graded,
                   "preflight": preflight(DataConfig(source="humaneval")),
                   "procedural": preflight(DataConfig(source="reasoning_gym:chain_sum", size=8, eval_size=8))}))
 """
@@ -54,7 +63,8 @@ def _probe(prefix: list[str], tmp_path) -> dict:
 def test_without_namespaces_the_program_does_not_run_and_a_code_run_is_refused(tmp_path):
     out = _probe(NO_SYS_ADMIN, tmp_path)
     assert not out["ran"], "the program ran without namespaces (the fallback cannot stop a subprocess)"
-    assert out["status"] == "error" and "unshare(net namespace): Operation not permitted" in out["stderr"]
+    assert out["status"] == "refused" and "unshare(net namespace): Operation not permitted" in out["stderr"]
+    assert out["graded"]["status"] == "error" and "SandboxRefused" in out["graded"]["detail"]  # the pool logs it
     assert "needs network, mount and PID namespaces" in out["problem"] and "SYS_ADMIN" in out["problem"]
     assert any(e.startswith("data.source: code tasks, but the code sandbox cannot run") for e in out["preflight"])
     assert out["procedural"] == []  # a run without code tasks does not need the sandbox
