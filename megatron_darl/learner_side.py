@@ -175,6 +175,7 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
     from megatron_darl.learner.megatron_learner import MegatronLearner
     from megatron_darl.publication import Publisher
     from megatron_darl.replay.shm_ring import ShmRing
+    from megatron_darl.replay.shm_space import shm_space_problem
     from megatron_darl.replay.store import ReplayStore
     from megatron_darl.resume import RunCheckpointer
     from megatron_darl.telemetry import Telemetry
@@ -196,6 +197,9 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
               f"{cfg.replay.balance_snapshots} -> {learner.balance_mode} ({how})", flush=True)
     feed = None
     if learner.is_main:
+        problem = shm_space_problem(cfg.replay.ring_bytes)
+        if problem:
+            raise RuntimeError(problem)
         ring = ShmRing.create(info.ring, cfg.replay.ring_bytes, checksum=cfg.replay.effective_ring_checksum)
         feed = _StepFeed(ring, ReplayStore(cfg.replay, cfg.rollout.group_size), cfg.train.batch_prompts,
                          cfg.staleness.max_head_offpolicyness)

@@ -36,12 +36,17 @@ def preflight(cfg: RunConfig) -> list[str]:
 def _run_preflight(cfg: RunConfig) -> list[str]:
     """Data, warm start and run folders, checked before anything starts: the data sources read
     and their records fit `data.prompt_template`, the built-in model's warm start has reference
-    answers, and the run and checkpoint folders take files (a probe file, not permission bits)."""
+    answers, the ring buffer fits in /dev/shm (local runs), and the run and checkpoint folders
+    take files (a probe file, not permission bits)."""
     from megatron_darl import warmstart
     from megatron_darl.data.sources import preflight as data_preflight
     from megatron_darl.resume import writable_problem
 
     errors = data_preflight(cfg.data) + warmstart.preflight(cfg)
+    if cfg.launch.mode == "local":  # on Slurm the ring lives on the first trainer node: checked there
+        from megatron_darl.replay.shm_space import shm_space_problem
+
+        errors += [f"replay.ring_bytes: {p}" for p in [shm_space_problem(cfg.replay.ring_bytes)] if p]
     for key, folder, what in (("train.run_dir", cfg.train.run_dir, "run folder"),
                               ("checkpoint.dir", cfg.checkpoint_dir, "checkpoint folder")):
         problem = writable_problem(folder, what, create=False)

@@ -2,7 +2,10 @@
 
 What it is: `fetch_release()` downloads `sglang==<pin>` with `pip download --no-deps` into
 ~/.cache/megatron-darl/ (once; the wheel is reused afterwards), unpacks the few files the
-protocol lives in, and returns a `Release` that exposes them:
+protocol lives in, and returns a `Release` that exposes them. The wheel is asked for by its
+published tag (`WHEEL_TAG`: CPython 3.11, manylinux_2_34 x86_64), not for the running
+interpreter, because it is only read: the tests run the same on Python 3.10, older glibc or
+another CPU, where pip would find no wheel of that release for the machine itself.
 - `api` — `sglang/api/v1/api_types.py`, the release's generated JSON contract of the HTTP API
   (`GenerateRequest.from_json_value` is the 400-gate `/generate` runs first; `GenerateResponse`
   decodes answers), imported as a module (it needs only msgspec);
@@ -16,7 +19,9 @@ protocol lives in, and returns a `Release` that exposes them:
   module needs zmq, pydantic schemas, and most of SGLang), with `check_io_body` validating a
   JSON body against their annotations;
 - `routes` — route -> HTTP methods, from the decorators of `srt/entrypoints/http_server.py`.
-A failed download is an error, never a skip: without the release nothing is checked.
+The download needs the package index: `require_release()` skips the calling test, saying so,
+when the index cannot be reached (an offline machine), unless DARL_REQUIRE_NETWORK=1 (CI), where
+it fails; any other failure (no such release, a broken wheel) is an error, never a skip.
 What it is not: SGLang itself (no server, no scheduler), or a test.
 """
 
@@ -36,6 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
+
+from network_access import needs_network
+
+# the tag sglang 0.5.23 publishes its only wheel under (checked with `pip download`); pure-Python
+# files are read from it, so any interpreter can use it
+WHEEL_TAG = {"python_version": "3.11", "implementation": "cp", "abi": "cp311",
+             "platform": "manylinux_2_34_x86_64"}
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-darl")
 FILES = (
@@ -65,8 +77,9 @@ def fetch_release(version: str = SGLANG_VERSION, cache: str = CACHE) -> "Release
         fcntl.flock(lock, fcntl.LOCK_EX)
         wheels = glob.glob(os.path.join(folder, f"sglang-{version}-*.whl"))
         if not wheels:
+            tag = [arg for key, value in WHEEL_TAG.items() for arg in (f"--{key.replace('_', '-')}", value)]
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={version}",
-                   "--only-binary=:all:", "-d", folder]
+                   "--only-binary=:all:", *tag, "-d", folder]
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             wheels = glob.glob(os.path.join(folder, f"sglang-{version}-*.whl"))
             if run.returncode != 0 or not wheels:
@@ -82,6 +95,15 @@ def fetch_release(version: str = SGLANG_VERSION, cache: str = CACHE) -> "Release
                 os.unlink(wheels[0])  # a broken download: fetch anew next time
                 raise ReleaseUnavailable(f"{wheels[0]}: cannot read {exc}") from exc
     return Release(version, root)
+
+
+def require_release(version: str = SGLANG_VERSION) -> "Release":
+    """`fetch_release` for a test: skips it, naming the reason, where the package index cannot be
+    reached and no wheel is cached (unless DARL_REQUIRE_NETWORK=1)."""
+    folder = os.path.join(CACHE, f"sglang-{version}")
+    if not glob.glob(os.path.join(folder, f"sglang-{version}-*.whl")):
+        needs_network(f"downloads the sglang=={version} wheel to read its protocol")
+    return fetch_release(version)
 
 
 def _load(root: str, module: str) -> types.ModuleType:

@@ -77,17 +77,24 @@ def build_loader(
 
 
 def preflight(cfg: DataConfig) -> list[str]:
-    """Before a run starts: every split's source can be built (files read, bad rows counted)
-    and `prompt_template` names only fields its records have. One message per problem."""
+    """Before a run starts: every split's source can be built (files read, bad rows counted),
+    `prompt_template` names only fields its records have, and code tasks' sandbox runs on this
+    machine. One message per problem."""
     if cfg.missing_files():
         return []  # reported by `DataConfig.missing_files`
-    errors = []
+    errors, code_key = [], None
     for split in SPLITS:
         key = "eval_source" if split == "eval" and cfg.eval_source else "source"
         try:
             source = build_source(cfg, split)
             if source is not None:
                 check_template(cfg.prompt_template, source.record(0))
+                code_key = code_key or (key if source.record(0).task == "code" else None)
         except (ValueError, OSError) as e:
             errors.append(f"data.{key} ({split} split): {e}")
+    if code_key:  # graded in the sandbox: a machine that cannot run it would score every answer 0
+        from megatron_darl.rollout.rewards.sandbox import sandbox_problem
+
+        problem = sandbox_problem()
+        errors += [f"data.{code_key}: code tasks, but {problem}"] if problem else []
     return errors

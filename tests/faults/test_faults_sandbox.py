@@ -6,7 +6,8 @@ audit hooks, which guard only the program's own process: a child process it star
 host's /tmp. Now the interpreter is bound read-only into the private /tmp at its own path. The
 test makes a real virtualenv under /tmp, runs the sandbox from its interpreter, and has the
 program's child process write (and read) the host's /tmp: neither may reach it.
-Root only (the sandbox drops privileges); skipped where the machine refuses mount namespaces.
+Needs what the sandbox needs (root, network/mount/PID namespaces); skipped, naming what is
+missing, where the machine does not give it (the sandbox itself refuses to run there).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import tempfile
 
 import pytest
 
+from sandbox_ready import needs_sandbox
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges, which needs root")
+pytestmark = needs_sandbox  # root and namespaces: skipped saying which is missing
 
 CHILD = """
 import os, subprocess, sys

@@ -17,6 +17,7 @@ import pytest
 from e2e_harness import assert_nothing_left, group_members, new_run, role_pid, run_groups
 
 
+@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(180)
 def test_rollout_manager_crash_stops_everything(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "crash", staleness={"max_head_offpolicyness": 1},

@@ -11,6 +11,7 @@ import pytest
 from e2e_harness import DarlRun, base_config, new_run, write_config
 
 
+@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_then_resume_continues(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "preempt", staleness={"max_head_offpolicyness": 1}, train={"steps": 60})

@@ -21,7 +21,7 @@ import pytest
 
 from e2e_harness import new_run
 from megatron_darl.launch.engine_host import healthy
-from sglang_release import fetch_release
+from sglang_release import require_release
 
 STEPS = 3
 HERE = Path(__file__).resolve().parent
@@ -46,7 +46,7 @@ def served_calls(path: Path) -> list[dict]:
 
 @pytest.mark.timeout(420)
 def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
-    release = fetch_release()
+    release = require_release()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     run = new_run(tmp_path, warm_model, "sglang", train={"steps": STEPS},

@@ -2,8 +2,8 @@
 
 What it is: `run_sandboxed(program, stdin, limits)` writes the program to a private folder and
 starts `sandbox_launcher.py` as root in a new session. The launcher isolates the child (network,
-mount and PID namespaces where the kernel allows; audit hooks refusing sockets and outside
-writes where it does not), sets CPU-time, address-space, file-size and process-count limits,
+mount and PID namespaces; where the kernel refuses them the program does not run, and
+`sandbox_problem()` says so before a run starts), sets CPU-time, address-space, file-size and process-count limits,
 drops to a dedicated uid and runs the program in a fresh scratch folder with a scrubbed
 environment. This side enforces the wall-time limit by killing the whole session, then kills
 everything the sandbox uid still runs.
@@ -60,6 +60,11 @@ class SandboxLimits:
             )
 
 
+class SandboxRefused(RuntimeError):
+    """The machine refused the isolation the sandbox needs; the program did not run. Raised, not
+    reported as a result: a grader must not turn it into a score of 0."""
+
+
 @dataclass
 class SandboxResult:
     """How a sandboxed program ended.
@@ -103,17 +108,38 @@ def kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
+def sandbox_problem(limits: SandboxLimits | None = None) -> str | None:
+    """Why code cannot be graded on this machine, or None: checked before a run that grades code
+    starts (not root; namespaces refused, as in a container without CAP_SYS_ADMIN), by running
+    one trivial program the way every graded program runs."""
+    if os.geteuid() != 0:
+        return _NOT_ROOT.format(uid=os.geteuid())
+    try:
+        result = run_sandboxed("print('ok')", "", limits)
+        if result.status == "ok" and result.stdout.strip() == "ok":
+            return None
+        why = result.stderr.strip()[-500:]
+    except SandboxRefused as exc:
+        why = str(exc)
+    return (f"the code sandbox cannot run a program here: {why} "
+            "(it needs network, mount and PID namespaces: in a container, run it with "
+            "--cap-add SYS_ADMIN and a seccomp profile that allows unshare and mount, or --privileged)")
+
+
+_NOT_ROOT = ("the code sandbox needs root (it drops each program to a dedicated unprivileged uid "
+             "and unshares namespaces; running as uid {uid}): run as root, e.g. in a container")
+
+
 def run_sandboxed(
     program: str, stdin: str = "", limits: SandboxLimits | None = None, *, isolate: bool = True
 ) -> SandboxResult:
     """Run Python source `program` confined, feeding it `stdin`; never raises for what the
-    program does. `isolate=False` skips the namespaces (the audit-hook fallback), for tests."""
+    program does. Where the namespaces are refused the program does not run: SandboxRefused
+    names why (the reward worker reports it as a grader error). `isolate=False` skips them for the audit-hook fallback, which the
+    tests exercise: it cannot stop a subprocess, so nothing else uses it."""
     limits = limits or SandboxLimits()
     if os.geteuid() != 0:
-        raise PermissionError(
-            "run_sandboxed: needs root to drop the program to an unprivileged uid "
-            f"(running as uid {os.geteuid()})"
-        )
+        raise PermissionError(f"run_sandboxed: {_NOT_ROOT.format(uid=os.geteuid())}")
     uid = sandbox_uid(limits)
     host = tempfile.mkdtemp(prefix="darl-sandbox-")  # 0700, root's: specs and captured output
     scratch = tempfile.mkdtemp(prefix="darl-scratch-")  # used only where no private /tmp
@@ -200,6 +226,8 @@ def _collect(paths: dict[str, str], returncode: int, timed_out: bool, wall: floa
     stdout, stderr = _read(paths["stdout"]), _read(paths["stderr"])
     if timed_out:
         status = "timeout"
+    elif report is not None and report.get("refused"):  # the program did not run
+        raise SandboxRefused(f"sandbox refused to run the program: {report['refused']}")
     elif report is None:
         status = "error"  # the launcher died before the program ran
         stderr = f"sandbox launcher failed (exit {returncode}): {stderr}"

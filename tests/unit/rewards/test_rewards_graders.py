@@ -3,8 +3,6 @@
 The time limit is the pool's job (test_rewards_pool.py); here every input is well-behaved.
 """
 
-import os
-
 import pytest
 
 from megatron_darl.rollout.rewards.code_grader import (
@@ -21,6 +19,7 @@ from megatron_darl.rollout.rewards.procedural import (
     procedural_payload,
 )
 from megatron_darl.rollout.rewards.sandbox import SandboxLimits
+from sandbox_ready import needs_sandbox
 
 MATH_RIGHT = [
     ("\\frac{1}{2}", "The answer is \\boxed{\\frac12}"),  # boxed fraction
@@ -118,7 +117,6 @@ def test_output_and_value_comparison():
     assert not values_match(True, 1.0)
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root")
 LIMITS = SandboxLimits(cpu_s=3, wall_s=10, memory_mb=512, max_procs=8, max_file_mb=4)
 
 
@@ -136,7 +134,7 @@ def _he_payload(problem):
             "entry_point": problem["entry_point"]}
 
 
-@needs_root
+@needs_sandbox
 @pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/53"])
 def test_humaneval_correct_solution_passes(humaneval, task):
     problem = humaneval[task]
@@ -147,7 +145,7 @@ def test_humaneval_correct_solution_passes(humaneval, task):
     assert grade_code(full, _he_payload(problem), LIMITS)[0] == 1.0
 
 
-@needs_root
+@needs_sandbox
 def test_humaneval_wrong_and_hacking_solutions_fail(humaneval):
     payload = _he_payload(humaneval["HumanEval/53"])
     assert grade_code("    return x - y\n", payload, LIMITS)[0] == 0.0
@@ -167,7 +165,7 @@ def test_humaneval_program_keeps_prompt_imports():
     assert restated == "from typing import List\ndef f(x):\n    return 1\n"
 
 
-@needs_root
+@needs_sandbox
 def test_livecodebench_stdio_cases():
     payload = {"format": "stdio", "cases": [{"input": "1 2\n", "output": "3\n"},
                                             {"input": "5 7\n", "output": "12"}]}
@@ -178,7 +176,7 @@ def test_livecodebench_stdio_cases():
     assert grade_code("raise SystemExit(1)", payload, LIMITS)[0] == 0.0
 
 
-@needs_root
+@needs_sandbox
 def test_livecodebench_functional_cases():
     payload = {"format": "functional", "fn_name": "twoSum",
                "cases": [{"input": "[2,7,11,15]\n9", "output": "[0, 1]"},
@@ -198,7 +196,7 @@ def test_livecodebench_functional_cases():
     assert grade_code(faker, payload, LIMITS)[0] == 0.0
 
 
-@needs_root
+@needs_sandbox
 def test_data_role_code_payloads_are_graded_as_emitted(humaneval):
     problem = humaneval["HumanEval/0"]
     data_payload = {k: problem[k] for k in ("task_id", "prompt", "test", "entry_point")}

@@ -13,6 +13,7 @@ import pytest
 from megatron_darl.rollout.rewards.api import RewardConfig, RewardInput
 from megatron_darl.rollout.rewards.pool import RewardPool
 from megatron_darl.rollout.rewards.sandbox import SandboxLimits
+from sandbox_ready import needs_sandbox
 
 TIMEOUT_S = 3.0
 SPIN = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates this tower for minutes
@@ -55,7 +56,7 @@ def test_mixed_batch_graded_in_order(pool):
     assert [r.score for r in results] == [1.0, 0.0, 1.0, 0.0, 0.7, 1.0, 1.0]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root")
+@needs_sandbox
 def test_code_item_through_the_pool(pool):
     payload = {"format": "stdio", "cases": [{"input": "2 3\n", "output": "5\n"}]}
     items = [RewardInput("q", "print(sum(map(int, input().split())))", "code", payload),
@@ -112,7 +113,7 @@ def _sandbox_uid_processes() -> int:
     return count
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root")
+@needs_sandbox
 def test_hung_program_killed_with_its_worker(pool):
     payload = {"format": "stdio", "cases": [{"input": "", "output": ""}]}
     hang = "import os, time\nos.fork()\ntime.sleep(600)\n"  # two sleepers, under the 60 s wall

@@ -1,7 +1,8 @@
 """The SGLang client and the embedded engine checked against the pinned release's own source.
 
-The release (setup.py's `sglang` extra) is downloaded by `tests/sglang_release.py` (pip download,
-cached under ~/.cache/megatron-darl/; a failed download fails these tests). Checked:
+The release (requirements-sglang.txt's pin) is downloaded by `tests/sglang_release.py` (pip download,
+cached under ~/.cache/megatron-darl/; offline these tests skip saying so, unless
+DARL_REQUIRE_NETWORK=1; any other failed download fails them). Checked:
 - every body the client sends passes the release's /generate contract gate
   (`api_types.GenerateRequest.from_json_value`), builds its strict `SamplingParams` struct and
   passes `verify`, and fits the fields and annotations of `io_struct.py`'s request classes;
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_release import fetch_release
+from sglang_release import require_release
 
 from megatron_darl.rollout import engine_requests as er
 from megatron_darl.rollout import sglang_requests as rq
@@ -37,7 +38,7 @@ VOCAB = 151_936
 
 @pytest.fixture(scope="session")
 def release():
-    return fetch_release()
+    return require_release()
 
 
 def sglang_accepts(release, body: dict) -> str | None:
