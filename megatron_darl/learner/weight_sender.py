@@ -1,0 +1,187 @@
+"""The learner's side of `rollout.weight_sync=distributed`: broadcasting a version to engines.
+
+What it is: `WeightSender`, held by the main learner rank. `stage(version, buckets)` keeps the
+newest version's HF-named tensors (copied to CPU, checked finite by the publisher); a thread
+answers the rollout manager's transfer requests (`rollout/weight_transfer.py`) with it. For each
+engine of a request it uses that engine's own process group, made through SGLang 0.5.23's
+`/init_weights_update_group` (the learner is rank 0 and hosts the rendezvous at
+master_address:<free port>, the engine's TP ranks are 1..tp): per bucket it posts
+`/update_weights_from_distributed` (names, dtypes, shapes, the group; `weight_version` and
+`flush_cache` on the last bucket only) while it broadcasts the bucket's tensors from rank 0 in
+that order, one broadcast each (as SGLang receives them without a load_format). Engines are
+served concurrently. NCCL when the learner runs on GPUs, gloo on CPU; every collective of those
+groups fails after `timeout_s`. An engine whose join, post or broadcast fails loses its group
+(`/destroy_weights_update_group`, best effort) and gets a fallback HF folder of the version,
+written once from the staged tensors (no collective, no re-gather); a new group name (the
+manager's, after an engine came back) replaces the engine's old group.
+Why staged on CPU: the engines may ask at any time (a restarted or late engine gets the
+current version while the learner trains) and the transfer overlaps the next train step, as
+the disk path's loads do; the price is one device-to-host copy per version.
+What it is not: the gathering of TP/PP shards (`weights.iter_hf_buckets`) or the pause and
+resume around a transfer (the manager's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_darl.learner.weights import describe, init_custom_group, write_hf_folder
+from megatron_darl.rollout.weight_notice import read_json, write_json_atomic
+from megatron_darl.rollout.weight_transfer import transfer_paths
+
+log = logging.getLogger(__name__)
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _broadcast(group, bucket: Bucket, device: str) -> None:
+    for _, t in bucket:
+        dist.broadcast(t.to(device, non_blocking=True) if device != "cpu" else t, group=group, group_src=0)
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+class WeightSender:
+    def __init__(self, notice_path: str, master_address: str, fallback_root: str, folder_info: tuple[dict, list[str]],
+                 backend: str = "gloo", timeout_s: float = 120.0, api_key: str | None = None, poll_s: float = 0.02):
+        self.request_path, self.result_path = transfer_paths(notice_path)
+        self.master_address, self.fallback_root, self.folder_info = master_address, fallback_root, folder_info
+        self.backend, self.timeout_s, self.api_key, self.poll_s = backend, timeout_s, api_key, poll_s
+        self.device = "cuda" if backend == "nccl" else "cpu"
+        self._staged: tuple[int, list[Bucket]] | None = None
+        self._groups: dict[str, tuple[str, Any]] = {}  # group name -> (engine URL, process group)
+        self._fallbacks: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="darl-weight-sender", daemon=True)
+        self.sent = self.failed = 0  # engine-versions delivered / fallen back (for the logs)
+        self.last_send_s = 0.0
+
+    def stage(self, version: int, buckets: list[Bucket]) -> None:
+        """The version the next requests get (a reference swap: a transfer under way keeps its own)."""
+        self._staged = (version, buckets)
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.timeout_s + 5)
+        for name in list(self._groups):
+            self._drop(name)
+
+    # ---- the service ---------------------------------------------------------------------
+    def _serve(self) -> None:
+        last = None
+        while not self._stop.is_set():
+            try:
+                req = read_json(self.request_path)
+            except ValueError as exc:
+                log.error("%s", exc)
+                req = None
+            if isinstance(req, dict) and req.get("id") != last and self._staged is not None:
+                last = req.get("id")
+                write_json_atomic(self.result_path, self.serve(req))
+            time.sleep(self.poll_s)
+
+    def serve(self, req: dict) -> dict:
+        """Send the staged version to the request's engines; the transfer result."""
+        version, buckets = self._staged
+        t0 = time.perf_counter()
+        engines = req.get("engines") or []
+        errors = asyncio.run(self._asend_all(engines, version, buckets))
+        self.last_send_s = time.perf_counter() - t0
+        failed = {e["index"]: err for e, err in zip(engines, errors) if err is not None}
+        self.sent += len(engines) - len(failed)
+        self.failed += len(failed)
+        fallback = None
+        if failed:
+            log.warning("weight version %d: broadcast failed for engines %s; writing a fallback folder",
+                        version, failed)
+            fallback = self._fallback_folder(version, buckets)
+        return {"id": req.get("id"), "version": version, "ok": [e["index"] for e in engines if e["index"] not in failed],
+                "failed": failed, "fallback": fallback}
+
+    def _fallback_folder(self, version: int, buckets: list[Bucket]) -> str:
+        if version not in self._fallbacks:
+            out = os.path.join(self.fallback_root, f"v{version}")
+            write_hf_folder(buckets, out, *self.folder_info)
+            self._fallbacks[version] = out
+        return self._fallbacks[version]
+
+    # ---- one transfer ----------------------------------------------------------------------
+    async def _asend_all(self, engines: list[dict], version: int, buckets: list[Bucket]) -> list[str | None]:
+        return list(await asyncio.gather(*(self._asend(e, version, buckets) for e in engines)))
+
+    async def _asend(self, engine: dict, version: int, buckets: list[Bucket]) -> str | None:
+        from megatron_darl.rollout.sglang_client import SGLangClient
+
+        client = SGLangClient(engine["url"], api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0)
+        name = engine["group"]
+        try:
+            group = await self._agroup(client, name)
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                post = client.aupdate_weights_from_distributed(
+                    **describe(bucket), version=version if last else None, group_name=name, flush_cache=last)
+                results = await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, self.device),
+                                               return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    raise errors[0]
+            return None
+        except Exception as exc:
+            if name in self._groups:
+                self._drop(name)
+                await self._aforget(client, name)
+            log.warning("engine %s: weight broadcast of version %d failed: %r", engine["url"], version, exc)
+            return f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            await client.aclose()
+
+    async def _agroup(self, client, name: str):
+        """The engine's group `name`, joined now if new (its older groups are dropped)."""
+        if name in self._groups:
+            return self._groups[name][1]
+        for old in [n for n, (url, _) in self._groups.items() if url == client.url]:
+            self._drop(old)  # the engine's previous life: its side of that group is gone or stale
+            await self._aforget(client, old)
+        info = await client.arequest("GET", "/server_info", retries=0)
+        tp = int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+        port = free_port(self.master_address)
+        join = client.ainit_weights_update_group(self.master_address, port, 1, 1 + tp, name, self.backend)
+        host = asyncio.to_thread(init_custom_group, self.master_address, port, 1 + tp, name, 0, self.backend,
+                                 self.timeout_s)
+        joined, group = await asyncio.gather(join, host, return_exceptions=True)
+        if isinstance(group, BaseException) or isinstance(joined, BaseException):
+            if not isinstance(group, BaseException):
+                dist.destroy_process_group(group)
+            raise joined if isinstance(joined, BaseException) else group
+        self._groups[name] = (client.url, group)
+        return group
+
+    def _drop(self, name: str) -> None:
+        _, group = self._groups.pop(name)
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # a group whose peer died may refuse a clean teardown
+            log.info("destroying weight group %s: %r", name, exc)
+
+    async def _aforget(self, client, name: str) -> None:
+        try:
+            await client.adestroy_weights_update_group(name)
+        except Exception as exc:  # best effort: a dead or restarted engine has no such group
+            log.info("engine %s: destroy_weights_update_group %s: %r", client.url, name, exc)
