@@ -141,6 +141,7 @@ class LearnerSide:
         self.learner.export_hf(self.info.final_model)
         if not self.learner.is_main:
             return
+        self.publisher.drain()  # distributed: the last version is sent before the sender stops
         self.publisher.notify(stop=True)
         summary = {"steps_done": steps_done, "final_version": self.start_step + steps_done,
                    "tensorboard": self.telemetry.tensorboard_dir}

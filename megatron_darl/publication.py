@@ -124,6 +124,13 @@ class Publisher:
                                   num_bytes=size), consumed=consumed, new_groups=new_groups)
         self._collect_garbage(version)  # fallback folders, when any engine needed one
 
+    def drain(self) -> None:
+        """Main rank, at the end of a run: the last version reaches the engines before the
+        sender stops (distributed only; a folder needs nobody)."""
+        if self.sender is not None and not self.sender.drain():
+            print(f"darl-train: the rollout side did not ask for the last weight version within "
+                  f"{self.sender.timeout_s:.0f}s; stopping anyway", flush=True)
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()

@@ -68,6 +68,7 @@ class WeightSender:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="darl-weight-sender", daemon=True)
         self.sent = self.failed = 0  # engine-versions delivered / fallen back (for the logs)
+        self.served_version = -1  # the newest version a transfer request got
         self.last_send_s = 0.0
 
     def stage(self, version: int, buckets: list[Bucket]) -> None:
@@ -75,6 +76,16 @@ class WeightSender:
         self._staged = (version, buckets)
         if not self._thread.is_alive() and not self._stop.is_set():
             self._thread.start()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until the staged version went out (the manager asks for it after pausing the
+        engines: a learner that stopped first would leave them paused); False after the timeout."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while self._staged is not None and self.served_version < self._staged[0] and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(self.poll_s)
+        return True
 
     def close(self) -> None:
         self._stop.set()
@@ -104,6 +115,7 @@ class WeightSender:
         engines = req.get("engines") or []
         errors = asyncio.run(self._asend_all(engines, version, buckets))
         self.last_send_s = time.perf_counter() - t0
+        self.served_version = max(self.served_version, version)
         failed = {e["index"]: err for e, err in zip(engines, errors) if err is not None}
         self.sent += len(engines) - len(failed)
         self.failed += len(failed)
