@@ -109,13 +109,13 @@ class Publisher:
         """Gather the version (collective), copy it to CPU on the main rank, check it finite
         there (nothing non-finite is ever sent), stage it for the sender and announce it. No
         file is written; the manager pauses the engines and asks the sender for it."""
-        staged = []
+        staged, bad = [], []
         for bucket in self.learner.iter_hf_buckets():
-            if self.learner.is_main:  # a copy: the parameters move on with the next step
+            if self.learner.is_main:  # checked where it is (on the GPU: fast), then a CPU copy
+                bad += nonfinite_named(bucket)
                 staged.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
         if not self.learner.is_main:
             return
-        bad = nonfinite_named(pair for bucket in staged for pair in bucket)
         if bad:
             raise NonFiniteWeights(version, bad)
         self.sender.stage(version, staged)

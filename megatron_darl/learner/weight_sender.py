@@ -9,7 +9,7 @@ master_address:<free port>, the engine's TP ranks are 1..tp): per bucket it post
 `/update_weights_from_distributed` (names, dtypes, shapes, the group; `weight_version` and
 `flush_cache` on the last bucket only) while it broadcasts the bucket's tensors from rank 0 in
 that order, one broadcast each (as SGLang receives them without a load_format). Engines are
-served concurrently. NCCL when the learner runs on GPUs, gloo on CPU; every collective of those
+served concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL when the learner runs on GPUs, gloo on CPU; every collective of those
 groups fails after `timeout_s`. An engine whose join, post or broadcast fails loses its group
 (`/destroy_weights_update_group`, best effort) and gets a fallback HF folder of the version,
 written once from the staged tensors (no collective, no re-gather); a new group name (the
@@ -49,8 +49,11 @@ def free_port(address: str) -> int:
 
 
 def _broadcast(group, bucket: Bucket, device: str) -> None:
+    """One broadcast per tensor from rank 0, in order (tensors already on `device`)."""
+    if device != "cpu":
+        torch.cuda.current_stream().synchronize()  # the bucket's host-to-device copies are done
     for _, t in bucket:
-        dist.broadcast(t.to(device, non_blocking=True) if device != "cpu" else t, group=group, group_src=0)
+        dist.broadcast(t, group=group, group_src=0)
     if device != "cpu":
         torch.cuda.synchronize()
 
@@ -136,33 +139,51 @@ class WeightSender:
 
     # ---- one transfer ----------------------------------------------------------------------
     async def _asend_all(self, engines: list[dict], version: int, buckets: list[Bucket]) -> list[str | None]:
-        return list(await asyncio.gather(*(self._asend(e, version, buckets) for e in engines)))
-
-    async def _asend(self, engine: dict, version: int, buckets: list[Bucket]) -> str | None:
+        """Bucket by bucket (each copied to the device once, whatever the number of engines),
+        to every engine still fine; an engine's error (join, post or broadcast) ends its part."""
         from megatron_darl.rollout.sglang_client import SGLangClient
 
-        client = SGLangClient(engine["url"], api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0)
-        name = engine["group"]
+        clients = [SGLangClient(e["url"], api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0)
+                   for e in engines]
         try:
-            group = await self._agroup(client, name)
+            joined = await asyncio.gather(*(self._agroup(c, e["group"]) for c, e in zip(clients, engines)),
+                                          return_exceptions=True)
+            errors: list[BaseException | None] = [g if isinstance(g, BaseException) else None for g in joined]
             for i, bucket in enumerate(buckets):
+                live = [k for k, err in enumerate(errors) if err is None]
+                if not live:
+                    break
+                sent = [(n, t.to(self.device, non_blocking=True)) for n, t in bucket] if self.device != "cpu" else bucket
                 last = i == len(buckets) - 1
-                post = client.aupdate_weights_from_distributed(
-                    **describe(bucket), version=version if last else None, group_name=name, flush_cache=last)
-                results = await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, self.device),
+                results = await asyncio.gather(*(self._abucket(clients[k], joined[k], engines[k]["group"], sent,
+                                                               version if last else None) for k in live),
                                                return_exceptions=True)
-                errors = [r for r in results if isinstance(r, BaseException)]
-                if errors:
-                    raise errors[0]
-            return None
-        except Exception as exc:
-            if name in self._groups:
-                self._drop(name)
-                await self._aforget(client, name)
-            log.warning("engine %s: weight broadcast of version %d failed: %r", engine["url"], version, exc)
-            return f"{type(exc).__name__}: {exc}"[:500]
+                for k, r in zip(live, results):
+                    errors[k] = r if isinstance(r, BaseException) else None
+            for k, err in enumerate(errors):
+                if err is not None:
+                    await self._afailed(clients[k], engines[k], version, err)
+            return [None if err is None else f"{type(err).__name__}: {err}"[:500] for err in errors]
         finally:
-            await client.aclose()
+            for c in clients:
+                await c.aclose()
+
+    async def _abucket(self, client, group, name: str, bucket: Bucket, version: int | None) -> None:
+        """Post the bucket's description and broadcast its tensors, concurrently (the engine
+        receives inside its handler); the first error of either."""
+        post = client.aupdate_weights_from_distributed(**describe(bucket), version=version, group_name=name,
+                                                       flush_cache=version is not None)
+        results = await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, self.device),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def _afailed(self, client, engine: dict, version: int, err: BaseException) -> None:
+        log.warning("engine %s: weight broadcast of version %d failed: %r", engine["url"], version, err)
+        if engine["group"] in self._groups:
+            self._drop(engine["group"])
+            await self._aforget(client, engine["group"])
 
     async def _agroup(self, client, name: str):
         """The engine's group `name`, joined now if new (its older groups are dropped)."""

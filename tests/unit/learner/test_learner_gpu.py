@@ -89,6 +89,6 @@ assert torch.equal(t.cpu(), torch.arange(15.0).reshape(3, 5)), t
     group = init_custom_group("127.0.0.1", port, 2, "darl_weights", rank=0, backend="nccl", timeout_s=120)
     bucket = [("model.norm.weight", torch.arange(15.0).reshape(3, 5))]  # staged on CPU, sent from the GPU
     assert describe(bucket) == {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[3, 5]]}
-    _broadcast(group, bucket, "cuda")
+    _broadcast(group, [(n, t.cuda()) for n, t in bucket], "cuda")  # as the sender: on the device once
     dist.destroy_process_group(group)
     assert receiver.wait(timeout=120) == 0
