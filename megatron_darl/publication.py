@@ -124,6 +124,12 @@ class Publisher:
                                   num_bytes=size), consumed=consumed, new_groups=new_groups)
         self._collect_garbage(version)  # fallback folders, when any engine needed one
 
+    def eval_folder(self, version: int) -> str:
+        """An HF folder of `version` for the in-loop evaluation (main rank): the published one,
+        or with `distributed` (no folder) one written once from the staged tensors."""
+        staged = self.sender.staged_folder(version) if self.sender is not None else None
+        return staged or self.folder(version)
+
     def drain(self) -> None:
         """Main rank, at the end of a run: the last version reaches the engines before the
         sender stops (distributed only; a folder needs nobody)."""

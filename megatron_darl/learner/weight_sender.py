@@ -130,6 +130,12 @@ class WeightSender:
         return {"id": req.get("id"), "version": version, "ok": [e["index"] for e in engines if e["index"] not in failed],
                 "failed": failed, "fallback": fallback}
 
+    def staged_folder(self, version: int) -> str | None:
+        """An HF folder of `version` if it is the staged one (written once; the in-loop
+        evaluation reads it), else None."""
+        staged = self._staged
+        return self._fallback_folder(*staged) if staged is not None and staged[0] == version else None
+
     def _fallback_folder(self, version: int, buckets: list[Bucket]) -> str:
         if version not in self._fallbacks:
             out = os.path.join(self.fallback_root, f"v{version}")

@@ -83,6 +83,7 @@ def test_an_unreachable_engine_gets_a_fallback_folder_that_loads(world):
         result = s.serve({"id": "3", "engines": [{"index": 1, "url": dead, "group": "darl-w1-0"}]})
         assert result["ok"] == [] and "Unreachable" in result["failed"][1] and s.failed == 1
         assert result["fallback"] == str(root / "fallback" / "v9")
+        assert s.staged_folder(9) == result["fallback"] and s.staged_folder(8) is None  # the in-loop eval's folder
 
         async def load():
             async with SGLangClient(url) as c:
