@@ -73,6 +73,8 @@ class WeightSender:
         self.sent = self.failed = 0  # engine-versions delivered / fallen back (for the logs)
         self.served_version = -1  # the newest version a transfer request got
         self.last_send_s = 0.0
+        # a request left by an earlier attempt of the run is not this run's manager asking
+        self._seen_at_start = (self._read_request() or {}).get("id")
 
     def stage(self, version: int, buckets: list[Bucket]) -> None:
         """The version the next requests get (a reference swap: a transfer under way keeps its own)."""
@@ -98,17 +100,27 @@ class WeightSender:
             self._drop(name)
 
     # ---- the service ---------------------------------------------------------------------
+    def _read_request(self) -> dict | None:
+        try:
+            req = read_json(self.request_path)
+        except ValueError as exc:  # someone else wrote the file: say so, keep polling
+            log.error("%s", exc)
+            return None
+        return req if isinstance(req, dict) else None
+
     def _serve(self) -> None:
-        last = None
+        last = self._seen_at_start
         while not self._stop.is_set():
-            try:
-                req = read_json(self.request_path)
-            except ValueError as exc:
-                log.error("%s", exc)
-                req = None
-            if isinstance(req, dict) and req.get("id") != last and self._staged is not None:
+            req = self._read_request()
+            if req is not None and req.get("id") != last and self._staged is not None:
                 last = req.get("id")
-                write_json_atomic(self.result_path, self.serve(req))
+                try:
+                    result = self.serve(req)
+                except Exception as exc:  # e.g. the fallback folder could not be written: answer anyway
+                    log.exception("weight transfer %s failed", last)
+                    result = {"id": last, "version": self._staged[0], "ok": [], "fallback": None,
+                              "failed": {e["index"]: repr(exc)[:500] for e in req.get("engines") or []}}
+                write_json_atomic(self.result_path, result)
             time.sleep(self.poll_s)
 
     def serve(self, req: dict) -> dict:

@@ -127,3 +127,26 @@ def test_the_engine_refuses_unknown_groups_nccl_on_cpu_and_incomplete_or_nonfini
 def test_init_custom_group_times_out_instead_of_hanging():
     with pytest.raises(Exception):  # nobody joins rank 1: the rendezvous gives up after the timeout
         init_custom_group("127.0.0.1", free_port("127.0.0.1"), 2, "alone", 0, "gloo", timeout_s=2.0)
+
+
+def test_the_sender_ignores_a_request_left_by_an_earlier_attempt_and_answers_new_ones(tmp_path):
+    import time
+
+    from megatron_darl.rollout.weight_notice import read_json, write_json_atomic
+    from megatron_darl.rollout.weight_transfer import transfer_paths
+
+    req_path, res_path = transfer_paths(str(tmp_path / "notice.json"))
+    write_json_atomic(req_path, {"id": "old", "version": 3, "engines": [{"index": 0, "url": "http://x:1", "group": "g"}]})
+    s = WeightSender(str(tmp_path / "notice.json"), "127.0.0.1", str(tmp_path / "fb"), ({}, []), poll_s=0.01)
+    try:
+        s.stage(5, [])
+        time.sleep(0.3)
+        assert read_json(res_path) is None  # the dead manager's request was not served
+        write_json_atomic(req_path, {"id": "new", "version": 5, "engines": []})
+        deadline = time.monotonic() + 10
+        while read_json(res_path) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert read_json(res_path) == {"id": "new", "version": 5, "ok": [], "failed": {}, "fallback": None}
+        assert s.drain(timeout_s=1)
+    finally:
+        s.close()
