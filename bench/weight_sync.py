@@ -11,8 +11,15 @@ that medium). Both to /dev/shm (how embedded engines on the node receive weights
 disk). After one untimed publication, runs alternate (publish, copy, publish, ...) and the median
 of `--reps` is reported; the published folder is deleted between runs. Prints one line per (size, destination) and, last,
 one JSON line with every figure and `publish_over_copy` per destination at the largest size.
-What it is not: the engine's load time (`/update_weights_from_disk` reads the folder back) or an
-NCCL broadcast (GPU clusters); numbers depend on the machine and on whatever else runs on it.
+Then the time per version until an engine serves it, the two ways `rollout.weight_sync` offers,
+with a real `darl-engine` (CPU) started on the model: *disk* = `Publisher.publish` to the disk
+folder + the engine's `/update_weights_from_disk` (it reads, checks and swaps in the folder);
+*distributed* = `Publisher.publish` with `weight_sync=distributed` (gather, copy to CPU, finite
+check, no file) + `WeightSender.serve` (one bucket post per 256 MB and one gloo broadcast per
+tensor to the engine, which checks and swaps them in); the engine joins its group once, untimed.
+`disk/dist` is their ratio (median of `--reps` each, alternated).
+What it is not: an NCCL broadcast (GPU clusters; README projects it), or several engines; numbers
+depend on the machine and on whatever else runs on it.
 
     python3 bench/weight_sync.py [--sizes 10 50 100 250 500] [--reps 3] [--disk-dir DIR] [--quick]
 """
@@ -66,6 +73,16 @@ class _ExportingLearner:
         from megatron_darl.learner import weights
 
         weights.save_hf_weights(self.chunks, self.adapter, self.ctx, out_dir, [self.src_dir])
+
+    def iter_hf_buckets(self, bucket_bytes: int = 256 << 20):
+        from megatron_darl.learner import weights
+
+        return weights.iter_hf_buckets(self.chunks, self.adapter, self.ctx, bucket_bytes)
+
+    def hf_folder_info(self) -> tuple[dict, list[str]]:
+        from megatron_darl.learner import weights
+
+        return weights.hf_config(self.adapter, self.chunks), [self.src_dir]
 
 
 def build(target_m: float, ctx, work: str) -> tuple[_ExportingLearner, list[torch.Tensor]]:
@@ -125,6 +142,86 @@ def measure(learner: _ExportingLearner, params: list[torch.Tensor], root: str, k
             "publish_all_s": pub_s, "copy_all_s": copy_s}
 
 
+def measure_versions(learner: _ExportingLearner, root: str, reps: int) -> dict:
+    """Seconds per version until a real darl-engine serves it: disk vs distributed."""
+    import asyncio
+
+    from megatron_darl.learner.weight_sender import WeightSender
+    from megatron_darl.rollout.sglang_client import SGLangClient
+    from megatron_darl.types import WeightVersion
+
+    os.makedirs(root, exist_ok=True)
+    model = os.path.join(root, "model")
+    learner.export_hf(model)
+    with _engine(model) as url:
+        disk = Publisher(learner, os.path.join(root, "weights"), os.path.join(root, "notice.json"),
+                         os.path.join(root, "status.json"), "disk")
+        sender = WeightSender(os.path.join(root, "dist", "notice.json"), "127.0.0.1", os.path.join(root, "fallback"),
+                              learner.hf_folder_info(), backend="gloo", timeout_s=600)
+        dist = Publisher(learner, os.path.join(root, "dist"), os.path.join(root, "dist", "notice.json"),
+                         os.path.join(root, "dist", "status.json"), "distributed", sender=sender)
+        async def load(v: int) -> None:
+            async with SGLangClient(url, timeout_s=600, max_retries=0) as client:
+                await client.aupdate_weights(WeightVersion(v, "disk", disk.folder(v)))
+
+        def via_disk(v: int) -> float:
+            t0 = time.perf_counter()
+            disk.publish(v)
+            asyncio.run(load(v))
+            dt = time.perf_counter() - t0
+            shutil.rmtree(disk.folder(v))
+            return dt
+
+        def via_dist(v: int) -> float:
+            t0 = time.perf_counter()
+            dist.publish(v)
+            result = sender.serve({"id": str(v), "engines": [{"index": 0, "url": url, "group": "bench"}]})
+            assert result["ok"] == [0], result
+            return time.perf_counter() - t0
+
+        try:
+            via_disk(1000), via_dist(1001)  # untimed: the engine joins its group, first touches
+            disk_s, dist_s = [], []
+            for v in range(reps):
+                disk_s.append(via_disk(2 * v))
+                dist_s.append(via_dist(2 * v + 1))
+        finally:
+            sender.close()
+    return {"disk_version_s": statistics.median(disk_s), "dist_version_s": statistics.median(dist_s),
+            "disk_version_all_s": disk_s, "dist_version_all_s": dist_s}
+
+
+class _engine:
+    """A darl-engine subprocess on `model` (127.0.0.1), up until the block ends."""
+
+    def __init__(self, model: str):
+        from megatron_darl.learner.weight_sender import free_port
+        from megatron_darl.rollout.engine_server import engine_command
+
+        self.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+        self.cmd = engine_command(model, int(self.url.rsplit(":", 1)[1]), max_batch=4)
+
+    def __enter__(self) -> str:
+        import subprocess
+        import urllib.request
+
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return self.url
+            except OSError:
+                time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"darl-engine on {self.cmd[-1]} did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", type=float, default=[10, 50, 100, 250, 500], help="millions of parameters")
@@ -143,7 +240,7 @@ def main() -> int:
     ctx = init_parallel(ParallelConfig(), seed=0)
     dests = {"shm": tempfile.mkdtemp(prefix="darl-bench-ws-", dir="/dev/shm"),
              "disk": tempfile.mkdtemp(prefix="darl-bench-ws-", dir=args.disk_dir)}
-    rows = []
+    rows, versions = [], []
     print(f"{'params':>8} {'dest':>5} {'fs':>6} {'GB':>6} {'publish s':>10} {'copy s':>8} {'publish GB/s':>12} "
           f"{'copy GB/s':>10} {'publish/copy':>12}", flush=True)
     try:
@@ -160,14 +257,20 @@ def main() -> int:
                 print(f"{n / 1e6:7.1f}M {dest:>5} {row['fs']:>6} {nbytes / 1e9:6.2f} {m['publish_s']:10.2f} "
                       f"{m['copy_s']:8.2f} {nbytes / 1e9 / m['publish_s']:12.2f} {nbytes / 1e9 / m['copy_s']:10.2f} "
                       f"{row['ratio']:12.2f}", flush=True)
+            v = measure_versions(learner, os.path.join(dests["disk"], f"v{size:g}"), args.reps)
+            v.update({"target_m": size, "params": n, "bytes": nbytes, "disk_over_dist": v["disk_version_s"] / v["dist_version_s"]})
+            versions.append(v)
+            print(f"{n / 1e6:7.1f}M per version until the engine serves it: disk {v['disk_version_s']:.2f} s, "
+                  f"distributed (gloo) {v['dist_version_s']:.2f} s, disk/dist {v['disk_over_dist']:.2f}", flush=True)
             del learner, params
     finally:
         for folder in dests.values():
             shutil.rmtree(folder, ignore_errors=True)
         destroy_parallel()
     largest = max(r["target_m"] for r in rows)
-    print(json.dumps({"rows": rows, "reps": args.reps,
-                      "publish_over_copy": {r["dest"]: r["ratio"] for r in rows if r["target_m"] == largest}}))
+    print(json.dumps({"rows": rows, "versions": versions, "reps": args.reps,
+                      "publish_over_copy": {r["dest"]: r["ratio"] for r in rows if r["target_m"] == largest},
+                      "disk_over_dist": {f"{v['target_m']:g}M": v["disk_over_dist"] for v in versions}}))
     return 0
 
 

@@ -137,11 +137,11 @@ class RunConfig:
             errs.append(("replay.sg", "selection scores use proximal log-probs: set "
                          "algo.recompute_proximal=true or replay.sg=false"))
         if self.rollout.weight_sync == "nccl":
-            errs.append(("rollout.weight_sync", "nccl publication is not wired into the train loop in this "
-                         "version; use disk (SGLang) or shm/auto (embedded engines)"))
+            errs.append(("rollout.weight_sync", "'nccl' is now called 'distributed' (NCCL on GPUs, gloo on "
+                         "CPU, through SGLang's /update_weights_from_distributed): set rollout.weight_sync=distributed"))
         if self.rollout.backend == "sglang" and self.rollout.weight_sync == "shm":
-            errs.append(("rollout.weight_sync", "SGLang servers load weights from disk or NCCL, "
-                         "not from this node's shared memory; use disk or auto"))
+            errs.append(("rollout.weight_sync", "SGLang servers load weights from disk or a broadcast, "
+                         "not from this node's shared memory; use disk, distributed or auto"))
         return errs
 
 

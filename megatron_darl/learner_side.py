@@ -148,6 +148,7 @@ class LearnerSide:
         self.learner.export_hf(self.info.final_model)
         if not self.learner.is_main:
             return
+        self.publisher.drain()  # distributed: the last version is sent before the sender stops
         self.publisher.notify(stop=True)
         summary = {"steps_done": steps_done, "final_version": self.start_step + steps_done,
                    "tensorboard": self.telemetry.tensorboard_dir}
@@ -155,6 +156,7 @@ class LearnerSide:
             json.dump(summary, fh)
 
     def close(self) -> None:
+        self.publisher.close()
         if self.evaluator is not None:
             self.evaluator.close()
         self.telemetry.close()
@@ -203,7 +205,8 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
         ring = ShmRing.create(info.ring, cfg.replay.ring_bytes, checksum=cfg.replay.effective_ring_checksum)
         feed = _StepFeed(ring, ReplayStore(cfg.replay, cfg.rollout.group_size), cfg.train.batch_prompts,
                          cfg.staleness.max_head_offpolicyness)
-    publisher = Publisher(learner, info.weights_root, info.notice, info.status, info.weights_kind)
+    publisher = Publisher(learner, info.weights_root, info.notice, info.status, info.weights_kind,
+                          sender=_weight_sender(cfg, info, learner))
     parent = os.getppid()
 
     def alive() -> None:
@@ -224,6 +227,18 @@ def build_learner_side(cfg: RunConfig, info: RunInfo) -> LearnerSide:
 
     evaluator = build_periodic_evaluator(cfg, learner.is_main)
     return LearnerSide(learner, feed, publisher, ckpt, tele, start, alive, preempted, info, evaluator)
+
+
+def _weight_sender(cfg: RunConfig, info: RunInfo, learner: Any):
+    """The main rank's broadcaster of `rollout.weight_sync=distributed` (None otherwise): NCCL
+    when the learner runs on GPUs, gloo on CPU; rendezvous on the learner's own address."""
+    if info.weights_kind != "distributed" or not learner.is_main:
+        return None
+    from megatron_darl.learner.weight_sender import WeightSender
+
+    return WeightSender(info.notice, info.master_addr, info.weights_root, learner.hf_folder_info(),
+                        backend="nccl" if torch.distributed.get_backend() == "nccl" else "gloo",
+                        timeout_s=cfg.rollout.weight_sync_timeout_s, api_key=cfg.rollout.api_key)
 
 
 def learner_main(train_loop: Callable[..., int], argv: list[str] | None = None) -> int:

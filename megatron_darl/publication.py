@@ -3,11 +3,14 @@
 What it is: `Publisher`. Every learner rank calls `publish(v)` (the export gathers TP/PP shards
 collectively); the main rank then has a Hugging Face folder `<root>/v{v}` (safetensors +
 config.json) and announces it in the weight notice that the rollout manager polls; the manager
-pauses the engines, has them load it through `/update_weights_from_disk`, and resumes. `root`
+pauses the engines, has them load it through `/update_weights_from_disk`, and resumes. With
+`kind="distributed"` nothing is written: the main rank stages the version's tensors on CPU and
+`learner/weight_sender.py` broadcasts them to the paused engines (a folder under `root` only
+for an engine whose broadcast failed). `root`
 is in /dev/shm for embedded engines on this node (the shared-memory path: no disk write) and on
 a shared filesystem for SGLang servers. Old versions are deleted once every engine serves a
 newer one (the manager reports that in its status), keeping at most `keep` folders.
-Every exported tensor is checked finite before the notice names the folder: a NaN or Inf stops
+Every exported tensor is checked finite before the notice names the folder (or the staged version): a NaN or Inf stops
 the run with `NonFiniteWeights` naming the tensors and the version, instead of engines serving
 garbage (an engine accepts such a file and then answers with NaN log-probs).
 What it is not: the export itself (`learner.export_hf`) or the engines' loading code.
@@ -41,27 +44,37 @@ class NonFiniteWeights(RuntimeError):
 def nonfinite_tensors(folder: str) -> list[tuple[str, int, int, int]]:
     """(name, NaN count, Inf count, size) of every floating-point tensor of the safetensors
     files in `folder` that is not entirely finite, in file and name order."""
-    import torch
     from safetensors import safe_open
 
-    bad = []
+    named = []
     for fname in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         with safe_open(os.path.join(folder, fname), framework="pt") as fh:
-            for name in sorted(fh.keys()):
-                t = fh.get_tensor(name)
-                if not t.is_floating_point():
-                    continue
-                t = t.float() if t.element_size() == 1 else t  # fp8: isnan/isinf need a wider type
-                finite = torch.isfinite(t)
-                if not bool(finite.all()):
-                    nan = int(torch.isnan(t).sum())
-                    bad.append((name, nan, int((~finite).sum()) - nan, t.numel()))
+            named += [(name, fh.get_tensor(name)) for name in sorted(fh.keys())]
+    return nonfinite_named(named)
+
+
+def nonfinite_named(named) -> list[tuple[str, int, int, int]]:
+    """(name, NaN count, Inf count, size) of every floating-point tensor of `named` (pairs of
+    name and tensor) that is not entirely finite, in order."""
+    import torch
+
+    bad = []
+    for name, t in named:
+        if not t.is_floating_point():
+            continue
+        t = t.float() if t.element_size() == 1 else t  # fp8: isnan/isinf need a wider type
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(t).sum())
+            bad.append((name, nan, int((~finite).sum()) - nan, t.numel()))
     return bad
 
 
 class Publisher:
-    def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, kind: str, keep: int = 3):
+    def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, kind: str, keep: int = 3,
+                 sender: Any = None):
         self.learner, self.root, self.kind, self.keep = learner, root, kind, keep
+        self.sender = sender  # kind "distributed", main rank: learner/weight_sender.WeightSender
         self.notice_path, self.status_path = notice_path, status_path
         self.last_publish_s = 0.0
         if learner.is_main:
@@ -75,6 +88,10 @@ class Publisher:
         folder removed) when any exported tensor holds NaN or Inf. `consumed`, `new_groups` (main
         rank): what the learner used up and what its next step takes, for the staleness gate."""
         t0 = time.perf_counter()
+        if self.kind == "distributed":
+            self._publish_distributed(version, consumed, new_groups)
+            self.last_publish_s = time.perf_counter() - t0
+            return
         out = self.folder(version)
         self.learner.export_hf(out)  # collective: every rank takes part, the main rank writes
         if self.learner.is_main:
@@ -87,6 +104,42 @@ class Publisher:
                         consumed=consumed, new_groups=new_groups)
             self._collect_garbage(version)
         self.last_publish_s = time.perf_counter() - t0
+
+    def _publish_distributed(self, version: int, consumed: int | None, new_groups: int | None) -> None:
+        """Gather the version (collective), copy it to CPU on the main rank, check it finite
+        there (nothing non-finite is ever sent), stage it for the sender and announce it. No
+        file is written; the manager pauses the engines and asks the sender for it."""
+        staged, bad = [], []
+        for bucket in self.learner.iter_hf_buckets():
+            if self.learner.is_main:  # checked where it is (on the GPU: fast), then a CPU copy
+                bad += nonfinite_named(bucket)
+                staged.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+        if not self.learner.is_main:
+            return
+        if bad:
+            raise NonFiniteWeights(version, bad)
+        self.sender.stage(version, staged)
+        size = sum(t.numel() * t.element_size() for bucket in staged for _, t in bucket)
+        self.notify(WeightVersion(version=version, kind="distributed", location=f"{self.sender.master_address}#v{version}",
+                                  num_bytes=size), consumed=consumed, new_groups=new_groups)
+        self._collect_garbage(version)  # fallback folders, when any engine needed one
+
+    def eval_folder(self, version: int) -> str:
+        """An HF folder of `version` for the in-loop evaluation (main rank): the published one,
+        or with `distributed` (no folder) one written once from the staged tensors."""
+        staged = self.sender.staged_folder(version) if self.sender is not None else None
+        return staged or self.folder(version)
+
+    def drain(self) -> None:
+        """Main rank, at the end of a run: the last version reaches the engines before the
+        sender stops (distributed only; a folder needs nobody)."""
+        if self.sender is not None and not self.sender.drain():
+            print(f"darl-train: the rollout side did not ask for the last weight version within "
+                  f"{self.sender.timeout_s:.0f}s; stopping anyway", flush=True)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
 
     def notify(self, weights: WeightVersion | None = None, **changes: Any) -> None:
         """Rewrite the notice with new weights and/or other fields (stop, state_request)."""

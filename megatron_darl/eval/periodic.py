@@ -115,11 +115,11 @@ class PeriodicEvaluator:
         return version % self.every == 0
 
     def maybe_run(self, version: int, publisher: Any) -> dict[str, float]:
-        """Evaluate `publisher.folder(version)` when `version` is due; {} otherwise."""
+        """Evaluate `publisher.eval_folder(version)` when `version` is due; {} otherwise."""
         if not self.due(version):
             return {}
         t0 = time.perf_counter()
-        scores = self.evaluate_folder(publisher.folder(version))
+        scores = self.evaluate_folder(publisher.eval_folder(version))
         r = scores.result("held-out")
         eval_s = time.perf_counter() - t0
         self.eval_s_total += eval_s

@@ -106,7 +106,7 @@ class LocalPlacement:
         path = segment_path(info.ring)
         if os.path.exists(path):
             os.unlink(path)
-        if info.weights_kind == "shm":
+        if info.weights_root.startswith("/dev/shm/"):  # shm, or distributed fallbacks
             shutil.rmtree(info.weights_root, ignore_errors=True)
 
 

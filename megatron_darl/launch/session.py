@@ -71,13 +71,15 @@ def make_run_info(cfg: RunConfig, run_id: str, attempt: str, addr: str, port: in
     run_dir = os.path.abspath(cfg.train.run_dir)
     lc, rc = cfg.launch, cfg.rollout
     external = rc.backend == "sglang" and bool(rc.engine_urls)
-    kind = rc.weight_sync if rc.weight_sync != "auto" else (
-        "shm" if rc.backend == "torch" and not (lc.mode == "slurm" and lc.rollout_nodes) else "disk")
+    local_shm = rc.backend == "torch" and not (lc.mode == "slurm" and lc.rollout_nodes)
+    kind = rc.weight_sync if rc.weight_sync != "auto" else ("shm" if local_shm else "disk")
+    # distributed writes a folder only for an engine whose broadcast failed: where disk/shm would
+    folder_kind = ("shm" if local_shm else "disk") if kind == "distributed" else kind
     return RunInfo(
         run_id=run_id, attempt=attempt, run_dir=run_dir, config=os.path.join(run_dir, "config.yaml"),
         ring=cfg.replay.ring_name or f"darl-{run_id}-ring",
         notice=os.path.join(run_dir, "rollout", "notice.json"), status=os.path.join(run_dir, "rollout", "status.json"),
-        weights_root=f"/dev/shm/darl-{run_id}-weights" if kind == "shm" else os.path.join(run_dir, "weights"),
+        weights_root=f"/dev/shm/darl-{run_id}-weights" if folder_kind == "shm" else os.path.join(run_dir, "weights"),
         weights_kind=kind, final_model=os.path.join(run_dir, "final_model"),
         engines_dir=os.path.join(run_dir, "engines"), num_engines=0 if external else rc.num_engines,
         engine_urls=list(rc.engine_urls) if external else [], learner_world=lc.learner_world,

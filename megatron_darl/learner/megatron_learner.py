@@ -156,10 +156,15 @@ class MegatronLearner:
 
     def export_hf(self, out_dir: str) -> None:
         """Write a Hugging Face folder (safetensors + config.json) atomically (rank 0 writes)."""
+        weights.save_hf_weights(self.chunks, self._adapter(), self.ctx, out_dir, self.hf_folder_info()[1])
+
+    def hf_folder_info(self) -> tuple[dict, list[str]]:
+        """(config.json, folders holding the tokenizer files) of an exported HF folder: what
+        `weights.write_hf_folder` needs to write one from buckets already gathered."""
         from checkpoint_tools.mcore_format import HF_EXTRA_DIR
 
         sources = [self.model_cfg.tokenizer_dir, self.model_cfg.hf_dir, f"{self.model_cfg.hf_dir}/{HF_EXTRA_DIR}"]
-        weights.save_hf_weights(self.chunks, self._adapter(), self.ctx, out_dir, sources)
+        return weights.hf_config(self._adapter(), self.chunks), sources
 
     def save(self, ckpt_dir: str, extra_state: dict[str, Any] | None = None) -> None:
         """dist_checkpointing save of model, optimizer, scheduler, RNG, step and `extra_state`."""

@@ -4,8 +4,8 @@ What it is: `iter_hf_buckets` walks every parameter of the model across the PP s
 stage order), gathers its TP shards, un-shards and renames it with the `checkpoint_tools`
 adapter (the same mapping HF loading uses) and yields size-bounded buckets on every rank;
 `save_hf_weights` writes them as a sharded safetensors HF folder (with config.json and the
-tokenizer files of the source folder) atomically; `NcclWeightBroadcaster` streams the buckets
-to SGLang engines joined in an NCCL group (`/update_weights_from_distributed`).
+tokenizer files of the source folder) atomically; `init_custom_group` makes the process group
+that engines join for SGLang's distributed weight update (`weight_sender.py` drives it).
 What it is not: the engine-side HTTP calls (rollout/) or the Megatron checkpoint (checkpoint.py).
 """
 
@@ -74,40 +74,49 @@ def iter_hf_buckets(chunks: list, adapter, ctx, bucket_bytes: int) -> Iterator[l
 
 def save_hf_weights(chunks: list, adapter, ctx, out_dir: str, side_dirs: list[str],
                     bucket_bytes: int = 1 << 30) -> None:
-    """Write an HF folder at `out_dir`: one safetensors file per bucket plus the index,
-    config.json (the adapter's HF config, dtype set to the exported one) and the tokenizer /
-    generation files found in `side_dirs`; built in a temp folder then renamed so a reader never
-    sees a half-written folder. Collective; rank 0 writes."""
+    """Write an HF folder at `out_dir` (see `write_hf_folder`). Collective; rank 0 writes."""
+    buckets = iter_hf_buckets(chunks, adapter, ctx, bucket_bytes)
+    if dist.get_rank() == 0:
+        write_hf_folder(buckets, out_dir, hf_config(adapter, chunks), side_dirs)
+    else:
+        for _ in buckets:  # the gathers are collective
+            pass
+    dist.barrier()
+
+
+def hf_config(adapter, chunks: list) -> dict:
+    """The adapter's HF config.json with the dtype set to the exported one."""
+    config = dict(adapter.hf_config)
+    dtype = str(chunks[0].config.params_dtype).replace("torch.", "")
+    config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
+    return config
+
+
+def write_hf_folder(buckets, out_dir: str, config: dict, side_dirs: list[str]) -> None:
+    """One safetensors file per bucket plus the index, `config` as config.json and the
+    tokenizer / generation files found in `side_dirs`; built in a temp folder then renamed so a
+    reader never sees a half-written folder. Local: no collective."""
     from safetensors.torch import save_file
 
-    main = dist.get_rank() == 0
     tmp = f"{out_dir.rstrip('/')}.tmp"
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     weight_map: dict[str, str] = {}
     total = 0
-    for i, bucket in enumerate(iter_hf_buckets(chunks, adapter, ctx, bucket_bytes)):
-        if not main:
-            continue
+    for i, bucket in enumerate(buckets):
         fname = f"model-{i + 1:05d}.safetensors"
         save_file({n: t.cpu() for n, t in bucket}, os.path.join(tmp, fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n, _ in bucket})
         total += sum(t.numel() * t.element_size() for _, t in bucket)
-    if main:
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-        for name in _COPY_FILES:
-            for src in side_dirs:
-                if os.path.isfile(os.path.join(src, name)) and not os.path.exists(os.path.join(tmp, name)):
-                    shutil.copy(os.path.join(src, name), os.path.join(tmp, name))
-        config = dict(adapter.hf_config)
-        dtype = str(chunks[0].config.params_dtype).replace("torch.", "")
-        config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        replace_folder(tmp, out_dir)
-    dist.barrier()
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    for name in _COPY_FILES:
+        for src in side_dirs:
+            if os.path.isfile(os.path.join(src, name)) and not os.path.exists(os.path.join(tmp, name)):
+                shutil.copy(os.path.join(src, name), os.path.join(tmp, name))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    replace_folder(tmp, out_dir)
 
 
 def replace_folder(tmp: str, dest: str) -> None:
@@ -120,43 +129,29 @@ def replace_folder(tmp: str, dest: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-class NcclWeightBroadcaster:
-    """Streams HF-named tensors from learner rank 0 to SGLang engines over NCCL (GPU clusters).
-
-    The engines join a process group created by SGLang's `/init_weights_update_group`
-    (rank 0 = this learner rank, engines 1..n); for each bucket the caller posts
-    `/update_weights_from_distributed` with `names`, `dtypes`, `shapes` (from `describe`) and
-    then calls `send`, which broadcasts every tensor from rank 0 in that order.
-    """
-
-    def __init__(self, master_address: str, master_port: int, world_size: int, group_name: str = "darl_weights"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("NcclWeightBroadcaster needs CUDA")
-        self.group = init_custom_group(master_address, master_port, world_size, group_name)
-
-    @staticmethod
-    def describe(bucket: list[tuple[str, torch.Tensor]]) -> dict:
-        return {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket]}
-
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        for _, t in bucket:
-            dist.broadcast(t.cuda(), group=self.group, group_src=0)
-        torch.cuda.synchronize()
+def describe(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    """`names`, `dtypes`, `shapes` of a bucket as SGLang's /update_weights_from_distributed takes them."""
+    return {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}
 
 
-def init_custom_group(master_address: str, master_port: int, world_size: int, group_name: str, rank: int = 0):
-    """A second NCCL group beside the default one (the learner's), rendezvous over TCP; the
-    learner is rank 0. The construction SGLang's `init_custom_process_group` uses on the engine
-    side (receivers call this with their own rank in tests)."""
+def init_custom_group(master_address: str, master_port: int, world_size: int, group_name: str, rank: int = 0,
+                      backend: str = "nccl", timeout_s: float = 600.0):
+    """A process group beside the default one (or without one), rendezvous over TCP at
+    master_address:master_port, hosted by rank 0 (the learner). The construction SGLang's
+    `init_custom_process_group` uses on the engine side (darl-engine and the tests call it with
+    their own rank). Every collective on it fails after `timeout_s` instead of hanging."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
-    store, rank, world = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank=rank, world_size=world_size))
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank=rank,
+                                              world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
-        world, rank, [], c10d.Backend("nccl"), c10d.PrefixStore(group_name, store), group_name=group_name,
-        timeout=timedelta(minutes=10),
+        world, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store), group_name=group_name,
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}  # group rank == rank in this group
     return group

@@ -115,12 +115,16 @@ class RolloutConfig:
     request_timeout_s: float = 600.0  # one /generate call; a hung engine is marked down after it
     max_retries: int = 3  # transport retries with exponential backoff before an engine is marked down
     filter_equal_rewards: bool = False  # DAPO-style: drop groups whose rewards are all equal
-    weight_sync: str = "auto"  # "shm" | "disk" | "nccl" | "auto" (shm for embedded, disk for sglang)
+    # how versions reach engines: "shm" (HF folder in /dev/shm, embedded engines on this node), "disk"
+    # (folder on a shared file system), "distributed" (broadcast over a process group through SGLang's
+    # /update_weights_from_distributed: NCCL on GPUs, gloo on CPU; no file), "auto" (shm embedded, disk sglang)
+    weight_sync: str = "auto"
+    weight_sync_timeout_s: float = 120.0  # distributed: bound of every join and broadcast of the weight groups
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "backend": ("torch", "sglang"),
         "pause_mode": PAUSE_MODES,
-        "weight_sync": ("auto", "shm", "disk", "nccl"),
+        "weight_sync": ("auto", "shm", "disk", "distributed", "nccl"),  # nccl: the old name, refused
     }
 
     def check(self) -> list[tuple[str, str]]:
@@ -140,6 +144,8 @@ class RolloutConfig:
         if not self.partial_rollout and self.pause_mode != "abort":
             errs.append(("partial_rollout", "false (restart interrupted samples) needs pause_mode=abort: "
                          "retract/in_place keep requests on the engine, which continue them"))
+        if not self.weight_sync_timeout_s > 0:
+            errs.append(("weight_sync_timeout_s", "must be > 0 (every collective of a weight group is bounded)"))
         if self.num_engines < 1 and not self.engine_urls:
             errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
         return errs

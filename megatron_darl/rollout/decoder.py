@@ -449,7 +449,10 @@ class Decoder:
     def load_weights(self, model_dir: str | Path) -> None:
         """Swap in the weights of `model_dir` (validated first: on error the old ones stay) and
         mark every running sequence for re-prefill under them."""
-        tensors = load_hf_tensors(model_dir, self.spec)
+        self.use_tensors(load_hf_tensors(model_dir, self.spec))
+
+    def use_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Swap in checked HF-named fp32 tensors; running sequences re-prefill under them."""
         self.model = CausalLM(self.spec, tensors, self.device)
         for s in self.rows:
             s.needs_prefill = True

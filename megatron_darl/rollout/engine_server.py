@@ -15,8 +15,10 @@ the requests it concerns (500, logged), never the loop; decoding and weight load
 event loop, so /health and control routes answer while 256 sequences decode; weights with
 NaN/Inf are refused (400, old weights kept) and /health_generate checks that the model still
 produces finite log-probs; SIGTERM ends in-flight requests (503) and stops at once.
-What it is not: a tokenizer (input_ids only), a streaming server, or an NCCL weight receiver
-(those routes answer 400).
+The distributed update (`/init_weights_update_group`, `/update_weights_from_distributed`,
+`/destroy_weights_update_group`: gloo on CPU) is `engine_weight_group.py`.
+What it is not: a tokenizer (input_ids only), a streaming server, or a receiver of
+`/update_weights_from_tensor` (answers 400).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from aiohttp import web
 from megatron_darl.rollout.api import PAUSE_MODES, SamplingParams
 from megatron_darl.rollout.decoder import Decoder, Sequence, WeightLoadError
 from megatron_darl.rollout.engine_requests import BadRequest, parse_generate, response_json
+from megatron_darl.rollout.engine_weight_group import WeightGroupRoutes
 
 log = logging.getLogger("darl-engine")
 
@@ -344,8 +347,8 @@ class EngineServer:
         r.add_post("/continue_generation", self.acontinue)
         r.add_post("/abort_request", self.aabort_request)
         r.add_post("/update_weights_from_disk", self.aupdate_from_disk)
-        for route in ("/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor"):
-            r.add_post(route, self.aunsupported)
+        r.add_post("/update_weights_from_tensor", self.aunsupported)
+        WeightGroupRoutes(self).add_routes(r)  # the distributed update (engine_weight_group.py)
         for route, handler in (("/health", self.ahealth), ("/health_generate", self.ahealth_generate),
                                ("/model_info", self.amodel_info), ("/get_model_info", self.amodel_info),
                                ("/server_info", self.aserver_info), ("/get_server_info", self.aserver_info),

@@ -44,7 +44,7 @@ COUNTERS = (
     "prompts_drawn", "groups_written", "samples_written", "filtered_groups", "groups_dropped",
     "episode_retries", "requests", "requeued_requests", "aborted_requests", "restarted_samples",
     "tokens_generated", "reward_sum", "engine_failures", "engine_restarts", "engine_recoveries",
-    "weight_updates", "weight_update_s_total",
+    "weight_updates", "weight_update_s_total", "weight_sync_fallbacks",
 )
 
 
@@ -129,6 +129,7 @@ class _Slot:
     busy_s: float = 0.0  # time with >= 1 request in flight (for the idle fraction)
     busy_since: float | None = None
     last_restart: float = -math.inf
+    incarnation: int = 0  # +1 at every down: a distributed weight update then uses a new group
 
     def add(self, rid: str, fut: asyncio.Future, now: float) -> None:
         if not self.inflight:
@@ -443,6 +444,7 @@ class RolloutManager:
             return
         slot.up = False
         slot.version = -1  # unknown: it may come back restarted, with its initial weights
+        slot.incarnation += 1
         self._count["engine_failures"] += 1
         log.warning("engine %d (%s) marked down: %s", slot.index, slot.engine.url, reason)
         for fut in list(slot.inflight.values()):
@@ -461,11 +463,23 @@ class RolloutManager:
         return result is not False
 
     async def _apush(self, weights: WeightVersion, slots: list[_Slot]) -> None:
-        await asyncio.gather(*(self._aop(s, "update_weights", lambda s=s: s.engine.aupdate_weights(weights))
-                               for s in slots))
-        for s in slots:
-            s.version = weights.version if s.up else s.version
+        if weights.kind == "distributed":
+            await self._apush_distributed(weights, slots)
+        else:
+            await asyncio.gather(*(self._aop(s, "update_weights", lambda s=s: s.engine.aupdate_weights(weights))
+                                   for s in slots))
+            for s in slots:
+                s.version = weights.version if s.up else s.version
         await asyncio.gather(*(self._aop(s, "resume", s.engine.aresume) for s in slots if s.up))
+
+    async def _apush_distributed(self, weights: WeightVersion, slots: list[_Slot]) -> None:
+        """The learner broadcasts to the paused engines (`weight_transfer.py`)."""
+        from megatron_darl.rollout.weight_transfer import TransferClient, apush_distributed
+
+        if self._notice_path is None:
+            raise ValueError("weight_sync=distributed needs the notice path (the learner answers beside it)")
+        client = TransferClient(self._notice_path, self.config.request_timeout_s)
+        await apush_distributed(client, weights, slots, self._aop, self._count, self._mark_down)
 
     # ---- health -------------------------------------------------------------------------
 
@@ -510,7 +524,10 @@ class RolloutManager:
             return
         async with self._update_lock:  # an engine returns with the current weights, never between
             ok = True
-            if self._weights is not None:
+            if self._weights is not None and self._weights.kind == "distributed":
+                await self._apush_distributed(self._weights, [slot])  # a new group: new incarnation
+                ok = slot.version >= self._weights.version
+            elif self._weights is not None:
                 weights = self._weights
                 ok = await self._aop(slot, "update_weights", lambda: slot.engine.aupdate_weights(weights))
                 slot.version = weights.version if ok else slot.version

@@ -7,7 +7,7 @@ connection failures and 502/503/504, the optional Bearer API key, and two clear 
 `EngineUnreachableError` (no answer after the retries, or a timeout) and `EngineHTTPError`
 (a 4xx/5xx answer), both naming URL, route and, for HTTP errors, status and body.
 What it is not: a load balancer or failure detector (the manager marks engines down), nor
-the learner side of an NCCL weight broadcast.
+the learner side of a weight broadcast (`learner/weight_sender.py`).
 """
 
 from __future__ import annotations
@@ -96,12 +96,13 @@ class SGLangClient:
 
     async def aupdate_weights(self, weights: WeightVersion) -> None:
         """Load a published version. "disk" and "shm" are both HF folders (shm: under /dev/shm
-        on this node) loaded through /update_weights_from_disk; "nccl" needs the tensor list
-        and a broadcast running on the learner, so it goes through `aupdate_weights_from_distributed`."""
+        on this node) loaded through /update_weights_from_disk; "distributed" versions are pushed
+        by the learner's broadcast (`learner/weight_sender.py`), never through this call."""
         if weights.kind not in ("disk", "shm"):
             raise ValueError(
-                f"SGLangClient.aupdate_weights: kind {weights.kind!r} is not a folder; for 'nccl' call "
-                "ainit_weights_update_group once, then aupdate_weights_from_distributed while the learner broadcasts")
+                f"SGLangClient.aupdate_weights: kind {weights.kind!r} is not a folder; a 'distributed' "
+                "version is sent by the learner: ainit_weights_update_group once, then "
+                "aupdate_weights_from_distributed while the learner broadcasts")
         route = "/update_weights_from_disk"
         rq.check_success(route, await self.arequest("POST", route, rq.update_from_disk_body(weights.location, weights.version)))
 
@@ -128,15 +129,23 @@ class SGLangClient:
                                          backend: str = "nccl") -> None:
         route = "/init_weights_update_group"
         body = rq.init_group_body(master_address, master_port, rank_offset, world_size, group_name, backend)
-        rq.check_success(route, await self.arequest("POST", route, body))
+        # not retried: the learner's side of the rendezvous is waiting for exactly one join
+        rq.check_success(route, await self.arequest("POST", route, body, retries=0, retry_timeouts=False))
 
     async def aupdate_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                               version: int, group_name: str = "weight_update_group") -> None:
+                                               version: int | None, group_name: str = "weight_update_group",
+                                               flush_cache: bool = True, timeout_s: float | None = None) -> None:
         """Returns when the engine has received and loaded every tensor: call it concurrently
-        with the learner's broadcast of the same tensors in the same order."""
+        with the learner's broadcast of the same tensors in the same order. Not retried: a
+        second post would wait for a broadcast that will not come again."""
         route = "/update_weights_from_distributed"
-        body = rq.update_distributed_body(names, dtypes, shapes, version, group_name)
-        rq.check_success(route, await self.arequest("POST", route, body))
+        body = rq.update_distributed_body(names, dtypes, shapes, version, group_name, flush_cache)
+        rq.check_success(route, await self.arequest("POST", route, body, timeout_s=timeout_s, retries=0,
+                                                    retry_timeouts=False))
+
+    async def adestroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        route = "/destroy_weights_update_group"
+        rq.check_success(route, await self.arequest("POST", route, rq.destroy_group_body(group_name), retries=0))
 
     # ---- transport ---------------------------------------------------------------------
     async def arequest(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None,

@@ -79,10 +79,12 @@ def init_group_body(master_address: str, master_port: int, rank_offset: int, wor
     }
 
 
-def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[list[int]], version: int,
-                            group_name: str = "weight_update_group", flush_cache: bool = True) -> dict[str, Any]:
+def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None,
+                            group_name: str = "weight_update_group", flush_cache: bool = True,
+                            abort_all_requests: bool = False) -> dict[str, Any]:
     """POST /update_weights_from_distributed: the engine receives these tensors, in this order,
-    from the learner's NCCL broadcast."""
+    one broadcast each from rank 0 of `group_name`. `version` None leaves the engine's
+    weight_version as it is (a bucket before the last of a version)."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
     return {
@@ -91,8 +93,14 @@ def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[li
         "shapes": [list(s) for s in shapes],
         "group_name": group_name,
         "flush_cache": flush_cache,
-        "weight_version": str(version),
+        "abort_all_requests": abort_all_requests,
+        "weight_version": None if version is None else str(version),
     }
+
+
+def destroy_group_body(group_name: str = "weight_update_group") -> dict[str, Any]:
+    """POST /destroy_weights_update_group: the engine leaves and frees the group."""
+    return {"group_name": group_name}
 
 
 def parse_version(raw: Any, default: int) -> int:

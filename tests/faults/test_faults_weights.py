@@ -77,6 +77,49 @@ def test_non_finite_export_is_not_published_and_names_tensor_and_version(tmp_pat
     assert read_notice(str(tmp_path / "notice.json")).weights.version == 3
 
 
+class BucketLearner(ExportingLearner):
+    """Also gives its tensors as `iter_hf_buckets` does (the distributed path)."""
+
+    def iter_hf_buckets(self):
+        out = str(self.folder)
+        self.export_hf(out)
+        from safetensors.torch import load_file
+
+        for f in sorted(os.listdir(out)):
+            if f.endswith(".safetensors"):
+                yield list(load_file(os.path.join(out, f)).items())
+
+
+class RecordingSender:
+    master_address = "127.0.0.1"
+
+    def __init__(self):
+        self.staged = []
+
+    def stage(self, version, buckets):
+        self.staged.append((version, buckets))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_distributed_stages_only_finite_versions_and_writes_no_file(tmp_path, bad):
+    """Checked on the tensors about to be sent (no file is read or written): a poisoned version
+    is neither staged for the broadcast nor announced."""
+    learner, sender = BucketLearner(), RecordingSender()
+    learner.folder = tmp_path / "scratch"
+    pub = Publisher(learner, str(tmp_path / "weights"), str(tmp_path / "notice.json"), str(tmp_path / "status.json"),
+                    "distributed", sender=sender)
+    pub.publish(1)
+    notice = read_notice(str(tmp_path / "notice.json"))
+    assert notice.weights.kind == "distributed" and notice.weights.version == 1 and [v for v, _ in sender.staged] == [1]
+    assert os.listdir(tmp_path / "weights") == []  # nothing for an engine to read
+    learner.poison = {"model.layers.1.mlp.down_proj.weight": bad}
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*weight version 2|weight version 2"):
+        pub.publish(2)
+    assert [v for v, _ in sender.staged] == [1] and read_notice(str(tmp_path / "notice.json")).weights.version == 1
+    staged = sender.staged[0][1]
+    assert all(torch.isfinite(t.float()).all() for bucket in staged for _, t in bucket)
+
+
 REAL = r"""
 import json, sys
 sys.path.insert(0, sys.argv[3])

@@ -8,7 +8,8 @@ the release's `record_weight_version_events` / `compute_weight_version_spans` /
 `add_weight_versions_to_meta_info`, abort shapes as its tokenizer manager writes them (queued:
 no tokens, no prompt_tokens; mid-decode: partial output), "default" as the version before any
 update, and its pause semantics (new requests wait while paused; `/health_generate` is 503
-while paused; a weight load while paused is immediate). Generation reuses the project's
+while paused; a weight load while paused is immediate); the distributed update joins a gloo
+group as the release's model runner does and receives one broadcast per tensor. Generation reuses the project's
 `Decoder`. Every call is appended to `--calls` (JSON lines) for the test to inspect.
 Run: `python sglang_standin.py --model DIR --port P --release-root ROOT --calls FILE`.
 What it is not: SGLang (no scheduler, radix cache or tokenizer), or a test.
@@ -34,7 +35,10 @@ from megatron_darl.rollout.api import SamplingParams  # noqa: E402
 from megatron_darl.rollout.decoder import Decoder, Sequence, WeightLoadError  # noqa: E402
 
 CONTROL = {"/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
-           "/abort_request": "AbortReq", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput"}
+           "/abort_request": "AbortReq", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+           "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+           "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+           "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput"}
 
 
 class Req:
@@ -63,6 +67,8 @@ class StandIn:
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
         self.pool = ThreadPoolExecutor(1)
+        self.groups: dict = {}  # group name -> process group (/init_weights_update_group)
+        self.received: dict = {}  # tensors of the version being broadcast, until its weight_version
 
     def log(self, route: str, status: int, body, **extra) -> None:
         self.calls.write(json.dumps({"route": route, "status": status, "body": body, **extra}) + "\n")
@@ -191,6 +197,72 @@ class StandIn:
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": len(self.reqs) if self.paused else 0})
 
+    # ---- the distributed update: the release's model runner, on gloo (one TP rank) -------------
+    async def init_weights_update_group(self, body: dict) -> web.Response:
+        from megatron_darl.learner.weights import init_custom_group
+
+        name = body.get("group_name", "weight_update_group")
+
+        def join():  # as the release: rank = rank_offset + tp_rank, its custom group, never the default
+            return init_custom_group(body["master_address"], body["master_port"], body["world_size"], name,
+                                     body["rank_offset"], body.get("backend", "nccl"), 60.0)
+
+        return await self._weights_op("/init_weights_update_group", body, join,
+                                      "Succeeded to initialize custom process group.",
+                                      lambda g: self.groups.__setitem__(name, g))
+
+    async def update_weights_from_distributed(self, body: dict) -> web.Response:
+        import torch
+        import torch.distributed as dist
+
+        from megatron_darl.rollout.engine_weight_group import check_received
+
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+
+        def receive():  # one broadcast per tensor from rank 0, in the order of names
+            assert group is not None, "Please call `init_weights_update_group` first."
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(t, src=0, group=group)
+                self.received[name] = t
+            if body.get("weight_version") is not None:
+                received, self.received = self.received, {}
+                self.decoder.use_tensors(check_received(received, self.decoder.spec))
+
+        def loaded(_):
+            if body.get("weight_version") is not None and body["weight_version"] != self.version:
+                self.rel.weight_versions.record_weight_version_events(list(self.reqs.values()), old_version=self.version)
+                self.version = body["weight_version"]
+
+        return await self._weights_op("/update_weights_from_distributed", body, receive,
+                                      "Succeeded to update parameter online.", loaded)
+
+    async def destroy_weights_update_group(self, body: dict) -> web.Response:
+        import torch.distributed as dist
+
+        group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
+            self.log("/destroy_weights_update_group", 400, body)
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        dist.destroy_process_group(group)
+        self.log("/destroy_weights_update_group", 200, body)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def _weights_op(self, route: str, body: dict, work, ok: str, then) -> web.Response:
+        async with self.lock:
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(self.pool, work)
+            except Exception as exc:  # the release answers 400 {"success": false, "message"}
+                self.log(route, 400, body, error=str(exc))
+                return web.json_response({"success": False, "message": str(exc)}, status=400)
+            then(result)
+        self.log(route, 200, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
+        return web.json_response({"success": True, "message": ok})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"tp_size": 1, "weight_version": self.version, "version": self.rel.version})
+
     async def health_generate(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.paused else 200)  # SGLang's probe times out behind a pause
 
@@ -207,6 +279,7 @@ class StandIn:
         app.router.add_get("/health_generate", self.health_generate)
         app.router.add_get("/health", self.health_generate)
         app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/server_info", self.server_info)
 
         async def start(_app):
             self.task = asyncio.create_task(self.aloop())

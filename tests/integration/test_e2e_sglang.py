@@ -44,13 +44,13 @@ def served_calls(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
 
 
-@pytest.mark.timeout(420)
-def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
+def train_against_standin(tmp_path, warm_model, **rollout):
+    """`darl-train` for STEPS steps against a stand-in; (exit code, output, the stand-in's calls, run)."""
     release = require_release()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     run = new_run(tmp_path, warm_model, "sglang", train={"steps": STEPS},
-                  rollout={"backend": "sglang", "engine_urls": [url], "pause_mode": "abort"})
+                  rollout={"backend": "sglang", "engine_urls": [url], "pause_mode": "abort", **rollout})
     calls = tmp_path / "calls.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "standin.log", "w")
@@ -75,7 +75,12 @@ def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
         standin.kill()
         standin.wait()
         log.close()
-    served = served_calls(calls)
+    return code, out, served_calls(calls), run
+
+
+@pytest.mark.timeout(420)
+def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
+    code, out, served, run = train_against_standin(tmp_path, warm_model)
     refused = [c for c in served if c["status"] != 200]
     assert code == 0, out[-4000:]
     assert not refused, f"the release's validation refused: {refused[:3]}"
@@ -88,3 +93,26 @@ def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
     assert {v["version"] for c in generated for v in c["versions"]} >= {"default", "1"}
     failures = [m["rollout/engine_failures"] for m in run.metrics() if "rollout/engine_failures" in m]
     assert failures and max(failures) == 0, "the engine was never marked down"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_path, warm_model):
+    """rollout.weight_sync=distributed: every version reaches the server through one group it
+    joined with the release's bodies and one broadcast per tensor; no weights file is read."""
+    code, out, served, run = train_against_standin(tmp_path, warm_model, weight_sync="distributed")
+    assert code == 0, out[-4000:]
+    assert not [c for c in served if c["status"] != 200], [c for c in served if c["status"] != 200][:3]
+    assert [r["step"] for r in run.ledger()] == list(range(STEPS))
+    assert not [c for c in served if c["route"] == "/update_weights_from_disk" and "final_model" not in
+                c["body"]["model_path"]], "a published version was read from a file"
+    joins = [c["body"] for c in served if c["route"] == "/init_weights_update_group"]
+    assert len(joins) == 1 and joins[0]["backend"] == "gloo" and joins[0]["rank_offset"] == 1
+    versions = [int(c["body"]["weight_version"]) for c in served
+                if c["route"] == "/update_weights_from_distributed" and c["body"]["weight_version"] is not None]
+    assert versions == list(range(1, STEPS + 1)), versions
+    assert not any(d.startswith("v") for d in os.listdir(os.path.join(run.run_dir, "weights")))
+    generated = [c for c in served if c["route"] == "/generate"]
+    assert {v["version"] for c in generated for v in c["versions"]} >= {"default", "1"}
+    fallbacks = [m["rollout/weight_sync_fallbacks"] for m in run.metrics() if "rollout/weight_sync_fallbacks" in m]
+    assert fallbacks and max(fallbacks) == 0

@@ -49,6 +49,9 @@ class _Publisher:
     def __init__(self, folder):
         self.path = folder
 
+    def eval_folder(self, version):
+        return self.folder(version)
+
     def folder(self, version):
         return self.path
 

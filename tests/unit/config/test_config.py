@@ -119,9 +119,13 @@ def test_rollout_restart_without_abort_is_refused():
         load_config(None, MODEL + ["rollout.partial_rollout=false", "rollout.pause_mode=in_place"])
 
 
-def test_unwired_options_are_refused_at_load():
-    with pytest.raises(ConfigError, match=r"rollout\.weight_sync"):
+def test_the_old_nccl_name_is_refused_with_the_new_one_and_distributed_loads():
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync.*set rollout\.weight_sync=distributed"):
         load_config(None, MODEL + ["rollout.weight_sync=nccl"])
+    cfg = load_config(None, MODEL + ["rollout.weight_sync=distributed", "rollout.weight_sync_timeout_s=30"])
+    assert cfg.rollout.weight_sync == "distributed" and cfg.rollout.weight_sync_timeout_s == 30
+    with pytest.raises(ConfigError, match=r"weight_sync_timeout_s"):
+        load_config(None, MODEL + ["rollout.weight_sync_timeout_s=0"])
 
 
 

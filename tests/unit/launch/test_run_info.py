@@ -76,3 +76,13 @@ def test_markers(tmp_path):
     assert read_marker(path) is None
     write_marker(path, "17.1")
     assert read_marker(path) == "17.1"
+
+
+def test_distributed_keeps_its_fallback_folders_where_disk_or_shm_would_write(tmp_path):
+    local = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path}", "rollout.weight_sync=distributed"])
+    info = make_run_info(local, "0123456789", "1.0", "a", 1)
+    assert info.weights_kind == "distributed" and info.weights_root == "/dev/shm/darl-0123456789-weights"
+    remote = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path}", "rollout.weight_sync=distributed",
+                                "launch.mode=slurm", "launch.rollout_nodes=1"])
+    info = make_run_info(remote, "0123456789", "1.0", "a", 1)
+    assert info.weights_kind == "distributed" and info.weights_root == str(tmp_path / "weights")

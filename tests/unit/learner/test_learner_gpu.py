@@ -86,17 +86,20 @@ def test_nccl_weight_broadcast_reaches_a_receiver(tmp_path):
 import torch, torch.distributed as dist
 from megatron_darl.learner.weights import init_custom_group
 torch.cuda.set_device(1)
-g = init_custom_group("127.0.0.1", {port}, 2, "darl_weights", rank=1)
+g = init_custom_group("127.0.0.1", {port}, 2, "darl_weights", rank=1, backend="nccl", timeout_s=120)
 t = torch.empty(3, 5, device="cuda")
 dist.broadcast(t, group=g, group_src=0)
 assert torch.equal(t.cpu(), torch.arange(15.0).reshape(3, 5)), t
 """], env=dict(__import__("os").environ, PYTHONPATH=W.REPO))
-    from megatron_darl.learner.weights import NcclWeightBroadcaster
+    import torch.distributed as dist
+
+    from megatron_darl.learner.weight_sender import _broadcast
+    from megatron_darl.learner.weights import describe, init_custom_group
 
     torch.cuda.set_device(0)
-    sender = NcclWeightBroadcaster("127.0.0.1", port, 2)
-    bucket = [("model.norm.weight", torch.arange(15.0).reshape(3, 5))]
-    assert NcclWeightBroadcaster.describe(bucket) == {"names": ["model.norm.weight"], "dtypes": ["float32"],
-                                                      "shapes": [[3, 5]]}
-    sender.send(bucket)
+    group = init_custom_group("127.0.0.1", port, 2, "darl_weights", rank=0, backend="nccl", timeout_s=120)
+    bucket = [("model.norm.weight", torch.arange(15.0).reshape(3, 5))]  # staged on CPU, sent from the GPU
+    assert describe(bucket) == {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[3, 5]]}
+    _broadcast(group, [(n, t.cuda()) for n, t in bucket], "cuda")  # as the sender: on the device once
+    dist.destroy_process_group(group)
     assert receiver.wait(timeout=120) == 0

@@ -95,11 +95,11 @@ def test_control_bodies():
         rq.check_success("/x", {"success": False, "message": "bad shape"})
 
 
-def test_client_is_a_rollout_engine_and_refuses_nccl_through_the_folder_route():
+def test_client_is_a_rollout_engine_and_refuses_a_broadcast_version_through_the_folder_route():
     client = SGLangClient("http://127.0.0.1:1/")
     assert isinstance(client, RolloutEngine) and client.url == "http://127.0.0.1:1"
     with pytest.raises(ValueError, match="aupdate_weights_from_distributed"):
-        asyncio.run(client.aupdate_weights(WeightVersion(version=1, kind="nccl", location="weight_update_group")))
+        asyncio.run(client.aupdate_weights(WeightVersion(version=1, kind="distributed", location="127.0.0.1#v1")))
 
 
 def test_client_from_rollout_config():

@@ -252,7 +252,10 @@ def test_api_key_required_on_every_route(world):
     ("/update_weights_from_disk", {"weight_version": "1"}, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/x", "weight_version": "v2"}, "weight_version"),
     ("/abort_request", {}, "rid"),
-    ("/update_weights_from_distributed", {"names": []}, "not supported on the embedded engine"),
+    ("/update_weights_from_distributed", {"names": []}, "dtypes"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float99"], "shapes": [[1]]}, "dtypes"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "1"}, "master_port"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": []}, "not supported on the embedded engine"),
 ])
 def test_malformed_bodies_get_400_naming_the_field(world, route, body, field):
     async def go():

@@ -130,12 +130,13 @@ def test_every_route_the_client_calls_exists_with_that_method(release):
         await client.aflush_cache()
         await client.ainit_weights_update_group("h", 1, 1, 2)
         await client.aupdate_weights_from_distributed(["a"], ["float32"], [[1]], 2)
+        await client.adestroy_weights_update_group("g")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SGLangClient, "arequest", record)
         asyncio.run(drive(SGLangClient("http://127.0.0.1:1")))
     routes = release.routes
-    assert len(calls) == 10
+    assert len(calls) == 11
     for method, route in calls:
         assert method in routes.get(route, set()), f"{method} {route} is not a route of sglang {release.version}"
     assert "GET" not in routes["/pause_generation"]  # the check can fail
@@ -253,3 +254,46 @@ def test_engine_answers_have_the_release_shape_and_spans(release):
     wv.add_weight_versions_to_meta_info(empty, wv.compute_weight_version_spans([], "4", 0), 0)
     assert queued["meta_info"]["weight_versions"] == empty["weight_versions"]
     assert set(release.api.FinishAbort.__struct_fields__) <= set(queued["meta_info"]["finish_reason"])
+
+
+# ---- the distributed weight update (rollout.weight_sync=distributed) ----------------------
+
+def test_distributed_update_bodies_fit_the_release_request_classes(release):
+    """Every body the learner's sender posts, as it posts them: the join, a bucket before the
+    last (no version, no cache flush), the last bucket, the leave."""
+    from megatron_darl.learner.weights import describe
+
+    import torch
+
+    bucket = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4, dtype=torch.bfloat16))]
+    meta = describe(bucket)
+    assert meta == {"names": ["model.norm.weight", "lm_head.weight"], "dtypes": ["float32", "bfloat16"],
+                    "shapes": [[4], [3, 4]]}
+    release.check_io_body("InitWeightsUpdateGroupReqInput",
+                          rq.init_group_body("10.0.0.1", 29500, 1, 3, "darl-w0-0", "gloo"))
+    first = rq.update_distributed_body(**meta, version=None, group_name="darl-w0-0", flush_cache=False)
+    last = rq.update_distributed_body(**meta, version=7, group_name="darl-w0-0")
+    for body in (first, last):
+        release.check_io_body("UpdateWeightsFromDistributedReqInput", body)
+    assert first["weight_version"] is None and last["weight_version"] == "7" and last["abort_all_requests"] is False
+    release.check_io_body("DestroyWeightsUpdateGroupReqInput", rq.destroy_group_body("darl-w0-0"))
+    for dtype in meta["dtypes"]:  # SGLang's receiver does getattr(torch, dtype)
+        assert isinstance(getattr(torch, dtype), torch.dtype)
+    with pytest.raises(AssertionError):  # the check can fail: world_size is required
+        release.check_io_body("InitWeightsUpdateGroupReqInput", {"master_address": "h", "master_port": 1,
+                                                                 "rank_offset": 1})
+
+
+def test_the_distributed_routes_answer_as_the_release_does(release):
+    """The three routes exist as POST in the release, and the release answers them with
+    {"success", "message"}, 200 on success and 400 on failure: the shape darl-engine and the
+    stand-in answer (test_engine_weight_group.py checks darl-engine's bodies)."""
+    routes = release.routes
+    for route in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
+        assert "POST" in routes[route]
+        src = release.source("sglang/srt/entrypoints/http_server.py")
+        handler = src[src.index(f'@app.post("{route}")'):][:1200]
+        assert '{"success": success, "message": message}' in handler and "BAD_REQUEST" in handler
+    for name in ("InitWeightsUpdateGroupReqOutput", "UpdateWeightsFromDistributedReqOutput",
+                 "DestroyWeightsUpdateGroupReqOutput"):
+        assert set(release.io_fields(name)) - set(release.io_fields("BaseReq")) == {"success", "message"}

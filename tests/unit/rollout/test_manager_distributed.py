@@ -1,0 +1,110 @@
+"""The manager's side of `rollout.weight_sync=distributed`, with fake engines and a fake learner
+answering the transfer requests beside the notice: pause, transfer, resume keeps partial rollouts
+and per-token versions exact; an engine whose broadcast failed loads the fallback folder
+(counted); an engine that was down rejoins with a new group and the current version; a learner
+that never answers marks the engines down after the bound instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from test_manager import check_groups, make
+
+from megatron_darl.rollout.manager import RolloutManager
+from megatron_darl.rollout.weight_notice import read_json, write_json_atomic
+from megatron_darl.rollout.weight_transfer import transfer_paths
+from megatron_darl.types import WeightVersion
+
+
+async def fake_learner(notice: str, engines: list, fail: set[int], seen: list[dict]) -> None:
+    """Answers every new request: engines not in `fail` now serve the version (as a broadcast
+    would leave them), the others fail and a fallback folder is named."""
+    req_path, res_path = transfer_paths(notice)
+    last = None
+    while True:
+        req = read_json(req_path)
+        if req and req["id"] != last:
+            last = req["id"]
+            seen.append(req)
+            ok = [e["index"] for e in req["engines"] if e["index"] not in fail]
+            for i in ok:
+                engines[i].version = req["version"]
+            write_json_atomic(res_path, {"id": req["id"], "version": req["version"], "ok": ok,
+                                         "failed": {str(e["index"]): "broadcast timed out" for e in req["engines"]
+                                                    if e["index"] in fail},
+                                         "fallback": "/w/fallback/v1" if len(ok) < len(req["engines"]) else None})
+        await asyncio.sleep(0.01)
+
+
+def dist_version(v: int) -> WeightVersion:
+    return WeightVersion(v, "distributed", f"127.0.0.1#v{v}")
+
+
+@pytest.mark.timeout(60)
+def test_partials_span_versions_and_a_failed_broadcast_falls_back_to_disk(tmp_path):
+    cfg, engines, prompts, sink, wf = make(n_prompts=4, n_engines=2, step_s=0.01, max_new_tokens=20)
+    notice, seen = str(tmp_path / "notice.json"), []
+
+    async def main():
+        learner = asyncio.create_task(fake_learner(notice, engines, {1}, seen))
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=notice)
+        await mgr.astart()
+        await asyncio.sleep(0.08)
+        await mgr.aupdate_weights(dist_version(1))
+        await asyncio.wait_for(mgr.arun(), 30)
+        learner.cancel()
+        return mgr
+
+    mgr = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    check_groups(sink, cfg)
+    mixed = [t for g in sink.groups for t in g if set(t.behav_versions.tolist()) == {0, 1}]
+    assert mixed and all(t.behav_versions.tolist() == sorted(t.behav_versions.tolist()) for t in mixed)
+    assert [e["group"] for e in seen[0]["engines"]] == ["darl-w0-0", "darl-w1-0"]
+    assert engines[0].updates == [] and engines[1].updates == [1]  # only the failed one read a folder
+    m = mgr.metrics()
+    assert m["rollout/weight_sync_fallbacks"] == 1 and m["rollout/engines_up"] == 2 and mgr.version == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_back_from_down_rejoins_with_a_new_group_and_the_current_version(tmp_path):
+    cfg, engines, prompts, sink, wf = make(n_prompts=10, n_engines=2, step_s=0.004, request_timeout_s=0.5)
+    notice, seen = str(tmp_path / "notice.json"), []
+
+    async def main():
+        learner = asyncio.create_task(fake_learner(notice, engines, set(), seen))
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=notice, health_interval_s=0.05)
+        await mgr.astart()
+        await mgr.aupdate_weights(dist_version(1))
+        engines[0].dead = True
+        await mgr.await_groups(3)
+        engines[0].dead, engines[0].version = False, 0  # restarted with its initial weights
+        await asyncio.wait_for(mgr.arun(), 30)
+        learner.cancel()
+        return mgr
+
+    mgr = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    rejoin = [r for r in seen if [e["index"] for e in r["engines"]] == [0]]
+    assert rejoin and rejoin[-1]["engines"][0]["group"] == "darl-w0-1" and rejoin[-1]["version"] == 1
+    assert engines[0].version == 1 and mgr.metrics()["rollout/engine_recoveries"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_that_never_answers_marks_the_engines_down_within_the_bound(tmp_path):
+    cfg, engines, prompts, sink, wf = make(n_prompts=2, n_engines=2, request_timeout_s=0.3)
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=str(tmp_path / "notice.json"),
+                             health_interval_s=3600)
+        await mgr.astart()
+        await asyncio.wait_for(mgr.aupdate_weights(dist_version(1)), 10)
+        m = mgr.metrics()
+        await mgr.astop()
+        return m
+
+    m = asyncio.run(main())
+    assert m["rollout/engines_up"] == 0 and m["rollout/engine_failures"] == 2
+    assert not any(e.paused for e in engines)  # nothing stays paused
