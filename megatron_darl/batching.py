@@ -4,7 +4,8 @@ What it is: the glue between the replay store (groups of trajectories) and the l
 (a padded `TrainBatch`). `candidate_batch` pads candidate groups into one batch with their
 group-relative advantages (GRPO / Dr.GRPO / RLOO: a group's advantages do not depend on which
 other groups are chosen); `choose_groups` applies the variance-guided selection of ALGORITHM.md
-to proximal log-probs the learner recomputed (or FIFO for the baselines); `take_groups` cuts the
+to proximal log-probs the learner recomputed (or FIFO, `fifo_order`, for the baselines and in
+warmup); `take_groups` cuts the
 chosen groups out of the batch; `prepare_batch` runs these with the learner's recompute for one
 step: selection recomputes every candidate (it scores them), FIFO only the groups it trains.
 What it is not: the maths (`algo/`), the pool and its ageing (`replay/store.py`), or the learner.
@@ -42,40 +43,44 @@ def candidate_batch(cands: Candidates, cfg: AlgorithmConfig) -> TrainBatch:
     return batch
 
 
+def fifo_order(cands: Candidates) -> np.ndarray:
+    """Candidate positions, never-trained groups first, then reused ones, each in pool order
+    (oldest version first): the baselines' FIFO. A reused group never crowds out a never-trained
+    one (the feed offers the never-trained groups the step must take), and the reused ones are
+    replayed in the order they entered the pool."""
+    reuse = cands.reuse
+    return np.concatenate([np.flatnonzero(reuse == 0), np.flatnonzero(reuse > 0)]).astype(np.int64)
+
+
 def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int, replay: ReplayConfig,
                   step: int) -> tuple[np.ndarray, dict[str, float]]:
     """Candidate positions to train on this step, and selection metrics.
 
-    With `replay.sg` (after warmup, which the store enforces by offering only the freshest
-    version) groups are scored by the second moment of the log weight `mean_t (p - b)^2`
-    against proximal log-probs and gated by `algo.select_groups`; otherwise the oldest
-    candidates go first (FIFO), as the baselines consume their data; FIFO reads no batch (None).
+    With `replay.sg`, after warmup, groups are scored by the second moment of the log weight
+    `mean_t (p - b)^2` against proximal log-probs and gated by `algo.select_groups` (threshold
+    `max(quantile, replay.sg_tau_floor)`); otherwise, and in warmup (when the store offers only
+    never-trained groups, which the step trains, a full batch), `fifo_order` (FIFO reads no batch).
     `algo/select/reused_admitted`: the reused candidates selection admits (score within the
-    threshold; in warmup, of the freshest version; FIFO: every one), from which the feed plans
-    how many new groups the next step takes.
+    threshold; FIFO: every one), from which the feed plans how many new groups the next step takes.
     """
     versions = torch.as_tensor(cands.versions)
     reused = torch.as_tensor(cands.reuse) > 0
-    if not replay.sg or batch is None or batch.prox_logprobs is None:
-        chosen = torch.arange(min(batch_groups, len(cands)))
+    warm = step < replay.effective_warmup
+    if not replay.sg or warm or batch is None or batch.prox_logprobs is None:
+        chosen = torch.as_tensor(fifo_order(cands)[:batch_groups])
         metrics = algo.selection_metrics(versions, chosen)
         metrics["algo/select/reused_admitted"] = float(reused.sum())
         return chosen.numpy(), metrics
     mask = torch.as_tensor(batch.loss_mask)
     seq_scores = algo.variance_scores(torch.as_tensor(batch.prox_logprobs), torch.as_tensor(batch.behav_logprobs), mask)
     _, g_scores, _ = algo.group_scores(seq_scores, torch.as_tensor(batch.group_index), torch.as_tensor(batch.versions))
-    warm = step < replay.effective_warmup
-    chosen = algo.select_groups(g_scores, versions, quantile=replay.sg_quantile, tau_abs=replay.sg_tau_abs,
-                                batch_groups=batch_groups, fill=replay.sg_fill, warmup=warm)
-    fresh = versions == versions.max()
-    if warm:
-        tau, admitted = None, fresh
-    else:  # the rule of algo.select_groups: tau, and for stale groups also tau_abs
-        tau = algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)
-        stale_tau = tau if replay.sg_tau_abs is None else min(tau, replay.sg_tau_abs)
-        limit = torch.full_like(g_scores, stale_tau).masked_fill(fresh, tau)
-        admitted = g_scores <= limit
+    gate = dict(quantile=replay.sg_quantile, tau_abs=replay.sg_tau_abs, tau_floor=replay.sg_tau_floor)
+    chosen = algo.select_groups(g_scores, versions, batch_groups=batch_groups, fill=replay.sg_fill, **gate)
+    tau, admitted = algo.admitted_groups(g_scores, versions, **gate)
     metrics = algo.selection_metrics(versions, chosen, tau)
+    # the quantile alone, beside the tau used: where it is below the floor, the floor gates
+    metrics["algo/select/tau_quantile"] = algo.selection_threshold(g_scores, versions, quantile=replay.sg_quantile)
+    metrics["algo/select/admitted_frac"] = float(admitted.double().mean()) if len(g_scores) else 0.0
     metrics["algo/select/score_mean"] = float(g_scores.mean()) if len(g_scores) else 0.0
     metrics["algo/select/reused_admitted"] = float((admitted & reused).sum())
     return chosen.numpy(), metrics

@@ -32,6 +32,7 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         train, chosen, metrics = prepare_batch(cfg, learner, cands, step)       # 2. recompute pi_prox, select
         metrics.update(learner.train_step(train))                              # 3. train (minibatches)
         if main:  # next step's share of new groups: what the reused groups selection admits leave
+            metrics.update(batch_composition(cands, chosen))                   # before commit counts the reuse
             new_groups = feed.commit(step, cands.group_ids[chosen], metrics["algo/select/reused_admitted"])
             telemetry.record_trained(step, sorted(set(train.prompt_ids.tolist())))
             metrics.update(step_diagnostics(train, step))
@@ -54,6 +55,15 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         if preempted():
             break
     return step - start
+
+
+def batch_composition(cands, chosen) -> dict:
+    """Groups the step trained (`train/batch_groups`: `train.batch_prompts` at every step, warmup
+    included) and the share of them trained at an earlier step (`replay/reused_frac`). Read
+    before `feed.commit`, which counts this step's training."""
+    reuse = cands.reuse[np.asarray(chosen, dtype=np.int64)]
+    return {"train/batch_groups": float(len(reuse)),
+            "replay/reused_frac": float((reuse > 0).mean()) if len(reuse) else 0.0}
 
 
 def step_diagnostics(batch, step: int) -> dict:

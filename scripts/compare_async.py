@@ -41,8 +41,8 @@ from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_re
 # the fixed cost of a run (start-up of the launcher, engine, manager and learner, evaluation before
 # and after, export, teardown). Every run records its own wall and CPU seconds in
 # runs/<name>/experiment_cost.json, to check these figures against.
-STEP_S = {"sync": 1.5, "darl": 1.2, "darl_nosel": 1.2, "darl_nopmis": 1.2, "darl_k1": 1.2, "darl_k2": 1.2,
-          "darl_k8": 1.2, "*": 1.0}
+STEP_S = {"sync": 1.5, "darl": 1.2, "darl_nosel": 1.2, "darl_nopmis": 1.2, "darl_d0": 1.2, "darl_d1": 1.2,
+          "darl_d7": 1.2, "*": 1.0}
 EVAL_S = 1.5
 OVERHEAD_S = 35.0
 

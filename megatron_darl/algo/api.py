@@ -27,8 +27,9 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | weighted_surrogate(...), clipped_objective(...), sg_objective(...) | [B,T] | per-token building blocks |
 | variance_scores(prox, behav, mask) | [B] | mean_t l^2 |
 | group_scores(scores, group_index, versions) | ids, scores, versions [G] | group mean / oldest |
-| selection_threshold(group_scores, group_versions, quantile) | float | tau |
-| select_groups(group_scores, group_versions, quantile, tau_abs, batch_groups, fill, warmup) | LongTensor | D-ARL gating |
+| selection_threshold(group_scores, group_versions, quantile, tau_floor) | float | tau |
+| admitted_groups(group_scores, group_versions, quantile, tau_abs, tau_floor) | tau, [G] bool | the gate |
+| select_groups(group_scores, group_versions, quantile, tau_abs, tau_floor, batch_groups, fill) | LongTensor | D-ARL gating |
 | selection_metrics(group_versions, selected, tau) | dict | filtered share per version |
 | pmis_coefficients(versions, weights, mask, mode, level) | beta dict, metrics | ess / tokens / balance |
 | pmis_statistics(versions, weights, mask, level, all_versions) | ks, [K,4] | summable across DP ranks |
@@ -71,10 +72,18 @@ from .pmis import (
     pmis_statistics,
 )
 from .reductions import LOG_RATIO_BOUND, version_token_counts
-from .selection import group_scores, select_groups, selection_metrics, selection_threshold, variance_scores
+from .selection import (
+    admitted_groups,
+    group_scores,
+    select_groups,
+    selection_metrics,
+    selection_threshold,
+    variance_scores,
+)
 
 __all__ = [
     "LOG_RATIO_BOUND",
+    "admitted_groups",
     "balance_weights",
     "clipped_objective",
     "combine_versions",

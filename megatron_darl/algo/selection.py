@@ -6,8 +6,8 @@ of which groups form the batch. Pure functions over small per-group tensors.
 What it is not: the replay pool. Ageing out (`t - v > K`), `max_reuse` and removal of the
 chosen groups belong to the replay store, which calls these functions.
 
-Warmup is a flag of `select_groups` (`warmup=True`: freshest version only); the caller
-decides when warmup is over (first `warmup` steps, default 5, per ALGORITHM.md).
+Warmup (the first `warmup` steps train never-trained groups only) is the store's rule: it
+offers no reused group then; selection has no warmup mode of its own.
 """
 
 from __future__ import annotations
@@ -55,14 +55,34 @@ def group_scores(
     return ids, total / count, oldest
 
 
-def selection_threshold(group_scores: torch.Tensor, group_versions: torch.Tensor, *, quantile: float = 0.9) -> float:
-    """`tau = quantile(scores of the freshest version's groups, q)` (linear interpolation)."""
+def selection_threshold(group_scores: torch.Tensor, group_versions: torch.Tensor, *, quantile: float = 0.9,
+                        tau_floor: float = 0.0) -> float:
+    """`tau = max(quantile(scores of the freshest version's groups, q), tau_floor)` (linear
+    interpolation).
+
+    The floor keeps the threshold on the scale of "still matches the current policy": where the
+    engine and the learner compute the same log-probs (the CPU demo) the freshest groups score
+    ~1e-13, and a quantile of those alone would admit no stale group at all.
+    """
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+    if tau_floor < 0.0:
+        raise ValueError(f"tau_floor must be >= 0, got {tau_floor}")
     if group_scores.numel() == 0:
         raise ValueError("selection_threshold needs at least one group")
     fresh = group_versions == group_versions.max()
-    return float(torch.quantile(group_scores[fresh].double(), quantile))
+    return max(float(torch.quantile(group_scores[fresh].double(), quantile)), float(tau_floor))
+
+
+def admitted_groups(group_scores: torch.Tensor, group_versions: torch.Tensor, *, quantile: float = 0.9,
+                    tau_abs: float | None = None, tau_floor: float = 0.0) -> tuple[float, torch.Tensor]:
+    """`(tau, admitted [G] bool)`: the gate of `select_groups`. A group of the freshest version is
+    admitted when its score <= tau, a stale one when <= `min(tau, tau_abs)`."""
+    tau = selection_threshold(group_scores, group_versions, quantile=quantile, tau_floor=tau_floor)
+    stale_tau = tau if tau_abs is None else min(tau, tau_abs)
+    fresh = group_versions == group_versions.max()
+    limit = torch.full(group_scores.shape, stale_tau, dtype=torch.float64).masked_fill(fresh.cpu(), tau)
+    return tau, group_scores.detach().cpu().double() <= limit
 
 
 def _check_select_inputs(group_scores, group_versions, batch_groups, fill):
@@ -83,19 +103,18 @@ def select_groups(
     *,
     quantile: float = 0.9,
     tau_abs: float | None = None,
+    tau_floor: float = 0.0,
     batch_groups: int,
     fill: str = "fresh",
-    warmup: bool = False,
 ) -> torch.Tensor:
     """Indices (into the `G` groups, LongTensor) of the groups that form the batch.
 
-    1. `tau = selection_threshold(...)`; a stale group (version below the freshest) is
-       admitted when its score <= `min(tau, tau_abs)`, a freshest group when <= `tau`.
+    1. `admitted_groups(...)`: `tau = max(quantile, tau_floor)`; a stale group (version below the
+       freshest) is admitted when its score <= `min(tau, tau_abs)`, a freshest group when <= `tau`.
     2. Admitted groups in ascending score (ties: newer version first, then lower index),
        at most `batch_groups`.
     3. If short and `fill="fresh"`: the freshest remaining groups (newest version first, then
        ascending score, then index). `fill="none"` returns fewer.
-    `warmup=True`: only the freshest version's groups, ascending score, no fill from others.
     Returned in selection order.
     """
     _check_select_inputs(group_scores, group_versions, batch_groups, fill)
@@ -103,13 +122,8 @@ def select_groups(
     if g == 0 or batch_groups == 0:
         return torch.zeros(0, dtype=torch.long)
     s, v = group_scores.tolist(), group_versions.tolist()
-    newest = max(v)
-    if warmup:
-        fresh = sorted((i for i in range(g) if v[i] == newest), key=lambda i: (s[i], i))
-        return torch.tensor(fresh[:batch_groups], dtype=torch.long)
-    tau = selection_threshold(group_scores, group_versions, quantile=quantile)
-    stale_tau = tau if tau_abs is None else min(tau, tau_abs)
-    admitted = [i for i in range(g) if s[i] <= (tau if v[i] == newest else stale_tau)]
+    _, ok = admitted_groups(group_scores, group_versions, quantile=quantile, tau_abs=tau_abs, tau_floor=tau_floor)
+    admitted = [i for i in range(g) if ok[i]]
     chosen = sorted(admitted, key=lambda i: (s[i], -v[i], i))[:batch_groups]
     if len(chosen) < batch_groups and fill == "fresh":
         taken = set(chosen)

@@ -1,8 +1,9 @@
 """Experiment role: the comparison suite of docs/ALGORITHM.md as data (methods, runs, results).
 
 What it is: `METHODS`, each method of the suite as the `darl-train` overrides that make it
-(sync, naive async, decoupled PPO with AReaL's cap and with verl's token IS, D-ARL and its
-ablations); `RunSpec`, one training run (method, staleness eta, learning rate, seed, phase);
+(sync, naive async, decoupled PPO with AReaL's cap and with verl's token IS, the two of them with
+replay over D-ARL's window, D-ARL and its ablations); `darl_window`, the window K at staleness
+eta; `RunSpec`, one training run (method, staleness eta, learning rate, seed, phase);
 `RunResult`, what a finished run measured (its held-out accuracy curve against steps, generated
 samples and wall-clock, the staleness it actually reached, its minimum ESS, its wall time).
 What it is not: the runner (`runs.py`), the statistics (`analysis.py`) or the report
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BASELINE_OFF = ["replay.enable=false", "replay.sg=false", "replay.pmis=false"]
+REPLAY_FIFO = ["replay.enable=true", "replay.sg=false", "replay.pmis=false"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Method:
     ablation: bool = False
     eta_free: bool = False
     tune_as: str | None = None  # ablations use the learning rate tuned for this method
+    depth: int | None = None  # replay depth: runs with replay.k = eta + depth (`darl_window`); None: no window
 
 
 def _darl(*extra: str) -> tuple[str, ...]:
@@ -34,10 +37,13 @@ def _darl(*extra: str) -> tuple[str, ...]:
             "replay.pmis_beta=ess", *extra)
 
 
-# D-ARL's window follows eta unless an ablation fixes it: with K < eta the store would age out
-# groups the staleness gate lets through before they are trained (replay/store.py), which is a
-# different experiment from "replay over the K newest versions" (see the K ablations).
-DARL_K = "auto"
+# Replay depth: the behavior versions a group can be replayed from. New data of step t is of
+# version >= t - eta (the staleness gate) and a group leaves the window when t - v > K, so a
+# group trained once is offered again only from versions t - K .. t - eta - 1: K - eta versions.
+# D-ARL's window is K = eta + REPLAY_DEPTH at every eta (K = 4 at eta = 1, as the seeds' suite);
+# K <= eta means no replay at all (the depth ablation d = 0).
+REPLAY_DEPTH = 3
+DEPTH_ABLATIONS = (0, 1, 3, 7)  # K = 1, 2, 4, 8 at eta = 1
 
 _METHODS = [
     Method("sync", "sync (eta = 0)", ("staleness.max_head_offpolicyness=0", *BASELINE_OFF, "algo.policy_loss=ppo",
@@ -49,12 +55,20 @@ _METHODS = [
     Method("decoupled_verl", "decoupled, verl token IS 2", (*BASELINE_OFF, "algo.policy_loss=ppo",
                                                            "algo.old_logprob=proximal", "algo.rollout_is=token",
                                                            "algo.rollout_is_threshold=2.0")),
-    Method("darl", "D-ARL (K = max(2, eta))", _darl()),
-    Method("darl_nosel", "D-ARL, no selection", _darl("replay.sg=false"), ablation=True, tune_as="darl"),
+    # the seeds' replay baselines: D-ARL's window, FIFO over the reused groups, no selection, one
+    # token mean (replay_4_async, replay_4_decoupled)
+    Method("naive_replay", "naive async + replay", (*REPLAY_FIFO, "algo.policy_loss=ppo",
+                                                    "algo.old_logprob=behavior", "algo.recompute_proximal=false"),
+           depth=REPLAY_DEPTH),
+    Method("decoupled_replay", "decoupled, AReaL cap 5, + replay", (*REPLAY_FIFO, "algo.policy_loss=decoupled",
+                                                                    "algo.behav_weight_cap=5.0"), depth=REPLAY_DEPTH),
+    Method("darl", f"D-ARL (K = eta + {REPLAY_DEPTH})", _darl(), depth=REPLAY_DEPTH),
+    Method("darl_nosel", "D-ARL, no selection", _darl("replay.sg=false"), ablation=True, tune_as="darl",
+           depth=REPLAY_DEPTH),
     Method("darl_nopmis", "D-ARL, no per-version objective", _darl("replay.pmis=false"), ablation=True,
-           tune_as="darl"),
-    *[Method(f"darl_k{k}", f"D-ARL, K = {k}", _darl(f"replay.k={k}"), ablation=True, tune_as="darl")
-      for k in (1, 2, 4, 8)],
+           tune_as="darl", depth=REPLAY_DEPTH),
+    *[Method(f"darl_d{d}", f"D-ARL, replay depth {d} (K = eta + {d})", _darl(), ablation=True, tune_as="darl",
+             depth=d) for d in DEPTH_ABLATIONS],
 ]
 METHODS: dict[str, Method] = {m.name: m for m in _METHODS}
 MAIN_METHODS = [m.name for m in _METHODS if not m.ablation]
@@ -62,9 +76,16 @@ ABLATIONS = [m.name for m in _METHODS if m.ablation]
 DECOUPLED = ("decoupled_areal", "decoupled_verl")
 
 
-def darl_window(eta: int) -> int:
-    """K of the `darl` method (and of its selection / P-MIS ablations) at staleness eta."""
-    return max(2, eta)
+def darl_window(eta: int, depth: int = REPLAY_DEPTH) -> int:
+    """K of the `darl` method (and of its selection / P-MIS ablations) at staleness eta: the
+    staleness bound plus `depth` versions of replay (see REPLAY_DEPTH)."""
+    return eta + depth
+
+
+def method_window(method: str, eta: int) -> int | None:
+    """`replay.k` a method runs with at staleness eta; None where it keeps the recipe's (no replay)."""
+    depth = METHODS[method].depth
+    return None if depth is None else darl_window(eta, depth)
 
 
 @dataclass(frozen=True)
@@ -93,8 +114,9 @@ class RunSpec:
         out = list(m.overrides)
         if not m.eta_free:
             out.append(f"staleness.max_head_offpolicyness={self.eta}")
-        if self.method in ("darl", "darl_nosel", "darl_nopmis"):
-            out.append(f"replay.k={darl_window(self.eta)}")
+        k = method_window(self.method, self.eta)
+        if k is not None:
+            out.append(f"replay.k={k}")
         out += [f"optim.lr={self.lr}", f"train.seed={self.seed}", f"train.steps={steps}",
                 f"eval.every_steps={every}"]
         if self.minibatches:

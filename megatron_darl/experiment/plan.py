@@ -11,7 +11,7 @@ grid (learning rates x, optionally, `algo.ppo_n_minibatches` values) at the tuni
 tuning seeds; the setting with the highest mean AUC (mean held-out accuracy over the samples
 budget) wins, ties going to the smaller rate. The main grid then runs every method at its own
 best setting, at every eta, with every seed; a tuning run with the same settings as a main run
-is that run (done once). The ablations of D-ARL use D-ARL's setting and run at the tuning eta only (the K ablation equal to D-ARL's own window there is D-ARL's
+is that run (done once). The ablations of D-ARL use D-ARL's setting and run at the tuning eta only (the replay-depth ablation equal to D-ARL's own depth is D-ARL's
 runs, not run twice).
 What it is not: the run driver (`runs.py`) or the statistics (`analysis.py`).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megatron_darl.experiment.analysis import auc
-from megatron_darl.experiment.api import ABLATIONS, MAIN_METHODS, METHODS, RunResult, RunSpec, Setting, darl_window
+from megatron_darl.experiment.api import ABLATIONS, MAIN_METHODS, METHODS, REPLAY_DEPTH, RunResult, RunSpec, Setting
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
         etas = [0] if METHODS[m].eta_free else list(size.etas)
         specs += [RunSpec(m, eta, best[m].lr, s, best[m].minibatches) for eta in etas for s in size.seeds]
     for a in size.ablations:
-        if a == f"darl_k{darl_window(size.tune_eta)}":  # D-ARL itself at this eta: its runs stand for it
+        if a == f"darl_d{REPLAY_DEPTH}":  # D-ARL itself: its runs stand for it
             continue
         g = best.get(METHODS[a].tune_as or a, size.grid()[0] if len(size.grid()) == 1 else None)
         if g is None:  # the method it varies could not be tuned

@@ -15,7 +15,7 @@ import math
 import os
 
 from megatron_darl.experiment.analysis import COLLAPSE_DROP, THRESHOLD_FRAC, band, eta_figures
-from megatron_darl.experiment.api import METHODS, RunResult, Setting, darl_window
+from megatron_darl.experiment.api import METHODS, REPLAY_DEPTH, RunResult, Setting, darl_window
 from megatron_darl.experiment.plan import Size
 
 AXES = {"steps": "training steps", "samples": "generated samples", "wall_s": "training wall-clock (s, eval excluded)"}
@@ -109,7 +109,8 @@ def markdown(report: dict) -> str:
     if report["ablations"]["rows"] and len(report["ablations"]["rows"]) > 1:
         k = darl_window(report["tune_eta"])
         out += [f"## D-ARL ablations (eta = {report['tune_eta']})", "",
-                _caption(report["ablations"]) + f" D-ARL's own window here is K = {k}: its row is the K = {k} ablation.",
+                _caption(report["ablations"]) + f" D-ARL's own window here is K = {k} (replay depth {REPLAY_DEPTH}): its row is that depth's "
+                "ablation.",
                 "",
                 *_table(report["ablations"], best), ""]
     if report["tuning_auc"]:

@@ -29,13 +29,19 @@ class ReplayConfig:
     """Replay over the K newest behavior versions (ALGORITHM.md). Field comments are the docs."""
 
     enable: bool = True  # false: every group is trained once then dropped (baselines); no age eviction
-    k: int = 4  # K: window of behavior versions kept; a group of version v leaves when t - v > K
+    # K: window of behavior versions kept; a group of version v leaves when t - v > K. New data is
+    # at most eta (staleness.max_head_offpolicyness) old, so a group is replayed from K - eta versions
+    k: int = 4
     max_reuse: int | None = None  # times a group may be trained; None: K (see effective_max_reuse)
     sg: bool = True  # variance-guided selection (score = mean of l^2, threshold from the freshest version)
     sg_quantile: float = 0.9  # q: tau = quantile of the freshest version's group scores
     sg_tau_abs: float | None = None  # absolute score cap for stale groups only (0.04 is a good try)
+    # floor of tau: a group whose score (mean squared log weight, ~ Var of its weights) is within
+    # it still matches the current policy, however small the freshest groups' scores (~1e-13 where
+    # engine and learner compute the same log-probs, which would admit no stale group)
+    sg_tau_floor: float = 0.01
     sg_fill: str = "fresh"  # batch short after gating: "fresh" fills with the freshest rest, "none" leaves it short
-    warmup: int = 5  # with `sg`: the first `warmup` steps train only never-trained groups (no replay)
+    warmup: int = 5  # with `sg`: the first `warmup` steps train full batches of never-trained groups (no replay)
     pmis: bool = True  # per-version objective with weights beta_k (false: one collapsed token mean)
     pmis_beta: str = "ess"  # beta_k: "ess" (inverse variance) | "tokens" (N_k/N) | "balance" (Veach)
     # balance's log mu_k: "exact" keeps a CPU copy of the weights of the K previous versions and
@@ -83,6 +89,8 @@ class ReplayConfig:
             errs.append(("sg_quantile", "must be in (0, 1]"))
         if self.sg_tau_abs is not None and self.sg_tau_abs <= 0:
             errs.append(("sg_tau_abs", "must be > 0 or null"))
+        if self.sg_tau_floor < 0:
+            errs.append(("sg_tau_floor", "must be >= 0 (0: tau is the quantile alone)"))
         if self.warmup < 0:
             errs.append(("warmup", "must be >= 0"))
         if self.ring_bytes < 1 << 16:

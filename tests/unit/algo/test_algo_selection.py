@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import algo_reference as ref
-from megatron_darl.algo import group_scores, select_groups, selection_metrics, selection_threshold, variance_scores
+from megatron_darl.algo import (
+    admitted_groups,
+    group_scores,
+    select_groups,
+    selection_metrics,
+    selection_threshold,
+    variance_scores,
+)
 
 
 @pytest.mark.parametrize("b,t", [(1, 1), (5, 7), (9, 3)])
@@ -66,11 +73,18 @@ def test_tau_abs_applies_to_stale_groups_only_and_fill_prefers_fresh():
     assert got.tolist() == [3, 0, 1]
 
 
-def test_warmup_takes_only_the_freshest_version():
-    scores = torch.tensor([0.5, 0.0, 0.2, 0.1])
-    versions = torch.tensor([2, 1, 2, 2])
-    assert select_groups(scores, versions, batch_groups=10, warmup=True).tolist() == [3, 2, 0]
-    assert select_groups(scores, versions, batch_groups=2, warmup=True).tolist() == [3, 2]
+def test_threshold_floor():
+    scores = torch.tensor([1e-13, 3e-13, 0.004, 0.02, 0.008])
+    versions = torch.tensor([5, 5, 4, 4, 3])
+    assert selection_threshold(scores, versions, quantile=1.0) == pytest.approx(3e-13)
+    assert selection_threshold(scores, versions, quantile=1.0, tau_floor=0.01) == 0.01
+    assert select_groups(scores, versions, quantile=1.0, batch_groups=5, fill="none").tolist() == [0, 1]
+    got = select_groups(scores, versions, quantile=1.0, tau_floor=0.01, batch_groups=5, fill="none")
+    assert got.tolist() == [0, 1, 2, 4]
+    tau, ok = admitted_groups(scores, versions, quantile=1.0, tau_abs=0.005, tau_floor=0.01)
+    assert tau == 0.01 and ok.tolist() == [True, True, True, False, False]
+    with pytest.raises(ValueError, match="tau_floor"):
+        selection_threshold(scores, versions, tau_floor=-1.0)
 
 
 def test_selection_metrics_and_errors():

@@ -98,23 +98,27 @@ def test_the_default_plan_covers_every_cell_once():
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     assert sum(s.method == "sync" for s in specs) == len(size.seeds)
-    for m in ("naive", "decoupled_areal", "decoupled_verl", "darl"):
+    for m in ("naive", "decoupled_areal", "decoupled_verl", "naive_replay", "decoupled_replay", "darl"):
         cells = {(s.eta, s.seed) for s in specs if s.method == m}
         assert cells == {(e, s) for e in size.etas for s in size.seeds}
     abl = {s.method for s in specs if s.method.startswith("darl_")}
-    assert abl == {"darl_nosel", "darl_nopmis", "darl_k1", "darl_k2", "darl_k8"}  # k4 is darl itself at eta 4
+    assert abl == {"darl_nosel", "darl_nopmis", "darl_d0", "darl_d1", "darl_d7"}  # depth 3 is darl itself
     assert all(s.eta == size.tune_eta for s in specs if s.method in abl)
     assert len(size.seeds) >= 3 and set(size.etas) == {1, 2, 4, 8}
 
 
 def test_run_overrides_set_eta_window_and_learning_rate():
     over = RunSpec("darl", 8, 1e-4, 2).overrides(steps=40, every=5)
-    assert "staleness.max_head_offpolicyness=8" in over and "replay.k=8" in over
+    assert "staleness.max_head_offpolicyness=8" in over and "replay.k=11" in over  # eta + replay depth 3
     assert {"optim.lr=0.0001", "train.seed=2", "train.steps=40", "eval.every_steps=5"} <= set(over)
     sync = RunSpec("sync", 0, 1e-4, 0).overrides(steps=40, every=5)
     assert [o for o in sync if o.startswith("staleness.")] == ["staleness.max_head_offpolicyness=0"]
-    assert "replay.k=1" in RunSpec("darl_k1", 4, 1e-4, 0).overrides(40, 5)
-    assert not any(o.startswith("replay.k=4") for o in RunSpec("darl_k1", 4, 1e-4, 0).overrides(40, 5))
+    assert "replay.k=5" in RunSpec("darl_d1", 4, 1e-4, 0).overrides(40, 5)
+    assert [o for o in RunSpec("darl_d0", 4, 1e-4, 0).overrides(40, 5) if o.startswith("replay.k=")] == ["replay.k=4"]
+    for m in ("naive_replay", "decoupled_replay"):  # the replay baselines: D-ARL's window, FIFO, one token mean
+        over = RunSpec(m, 1, 1e-4, 0).overrides(40, 5)
+        assert {"replay.k=4", "replay.enable=true", "replay.sg=false", "replay.pmis=false"} <= set(over)
+    assert not any(o.startswith("replay.k=") for o in RunSpec("decoupled_areal", 1, 1e-4, 0).overrides(40, 5))
 
 
 def test_minibatches_are_tuned_with_the_rate_when_asked():

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from megatron_darl import algo
+from megatron_darl.batching import choose_groups
+from megatron_darl.experiment.api import REPLAY_DEPTH, darl_window
 from megatron_darl.replay.api import ReplayConfig
 from megatron_darl.replay.feed import ReplayFeed
 from megatron_darl.replay.staleness import StalenessGate
 from megatron_darl.replay.store import ReplayStore
+from megatron_darl.train import batch_composition
 from megatron_darl.types import Trajectory
 
 G = 2
@@ -203,8 +206,6 @@ def test_k1_replay_ages_out_a_straggler_that_decoupled_trains():
     """K = 1, selection off, and decoupled PPO (replay off) take the same groups in the same
     order, except a straggler older than the window when it arrives: K = 1 ages it out and the
     gate is credited for it (generation replaces it); decoupled PPO, without a window, trains it."""
-    from megatron_darl.batching import choose_groups
-
     batch, straggler = 3, 99
     orders, stores = {}, {}
     for name, cfg in (("darl_k1", ReplayConfig(k=1, sg=False, pmis=False, warmup=5)),
@@ -226,3 +227,60 @@ def test_k1_replay_ages_out_a_straggler_that_decoupled_trains():
     m_k1, m_dec = stores["darl_k1"].metrics(), stores["decoupled"].metrics()
     assert (m_k1["replay/evicted_untrained"], m_dec["replay/evicted_untrained"]) == (1.0, 0.0)
     assert stores["darl_k1"].consumed == 6 * batch + 1 and stores["decoupled"].consumed == 6 * batch
+
+
+# Replay depth: with D-ARL's window (`experiment.api.darl_window`) groups are really replayed at
+# every staleness bound eta, and a step trains a full batch at every step. A group trained at step
+# t' is offered again only while it is older than the new data (version < t - eta) and inside the
+# window (t - version <= K): from K - eta versions. A simulated run (engines generating as the gate
+# admits, a slower learner, the real feed, store and FIFO `choose_groups`) counts what was replayed.
+
+
+def _run(eta: int, k: int, steps: int = 30, batch: int = 8, per_tick: int = 4, train_ticks: int = 4,
+         warmup: int = 0) -> list[dict]:
+    """Per step: `batch_composition` of what FIFO (the replay baselines' rule) trained."""
+    cfg = ReplayConfig(k=k, sg=False, pmis=False, warmup=warmup)
+    ring, store = FakeRing(), ReplayStore(cfg, group_size=G)
+    feed, gate = ReplayFeed(ring, store, batch, eta), StalenessGate(eta, batch)
+    gid, version, rows = 0, 0, []
+
+    def tick():
+        nonlocal gid
+        for _ in range(per_tick):
+            if not gate.try_acquire():
+                return
+            gate.release(True)
+            ring.put_group(gid, version)
+            gid += 1
+
+    for step in range(steps):
+        need = feed.step_new_groups(step)
+        feed.drain(step)
+        while not store.ready(step, batch, min_new=need):
+            tick()
+            feed.drain(step)
+        cands = feed.wait_candidates(step, lambda: None, 1)
+        chosen, metrics = choose_groups(None, cands, batch, cfg, step)
+        rows.append({**batch_composition(cands, chosen),
+                     "staleness_max": int(step - cands.versions[chosen].min())})
+        for _ in range(train_ticks):
+            tick()
+        version = step + 1
+        planned = feed.commit(step, cands.group_ids[chosen], metrics["algo/select/reused_admitted"])
+        gate.on_version(version, consumed=store.consumed, batch_size=planned)
+    return rows
+
+
+@pytest.mark.parametrize("eta", [1, 2, 4, 8])
+def test_darl_window_replays_at_every_eta(eta):
+    k = darl_window(eta)
+    assert k - eta == REPLAY_DEPTH >= 1  # the versions a group can be replayed from
+    rows = _run(eta, k)
+    assert all(r["train/batch_groups"] == 8 for r in rows)
+    assert max(r["staleness_max"] for r in rows) == k  # replayed up to the window's edge
+    assert np.mean([r["replay/reused_frac"] for r in rows[k + 2:]]) > 0.2
+
+
+def test_a_window_no_wider_than_eta_never_replays():
+    rows = _run(eta=2, k=2)
+    assert all(r["replay/reused_frac"] == 0.0 and r["train/batch_groups"] == 8 for r in rows)

@@ -70,12 +70,41 @@ def test_choose_groups_drops_the_drifted_stale_group():
     assert chosen_fifo.tolist() == [0, 1, 2]
 
 
-def test_choose_groups_warmup_takes_only_the_freshest_version():
-    cands = _cands([0, 1, 2, 2])
+def test_choose_groups_warmup_trains_a_full_batch():
+    """In warmup the store offers never-trained groups only, of several versions (the gate lets
+    eta of them exist); the step trains a full batch of them, oldest first, not the newest
+    version alone (which trained 64, 64, 30, 30, 17 of 64 groups in a demo run)."""
+    cands = _cands([0, 1, 2, 2, 2])
     b = candidate_batch(cands, AlgorithmConfig())
     b.prox_logprobs = b.behav_logprobs.copy()
-    chosen, _ = choose_groups(b, cands, 4, ReplayConfig(sg=True, warmup=5), step=1)
-    assert sorted(chosen.tolist()) == [2, 3]
+    chosen, m = choose_groups(b, cands, 4, ReplayConfig(sg=True, warmup=5), step=1)
+    assert chosen.tolist() == [0, 1, 2, 3] and m["algo/select/n_groups"] == 4
+
+
+def test_threshold_floor_admits_stale_groups_that_still_match():
+    """Where engine and learner agree (the CPU demo), the freshest groups score ~1e-13 and their
+    quantile alone admits no stale group; the floor `replay.sg_tau_floor` admits the stale ones
+    whose weights still match, in ascending score, and gates out the drifted one."""
+    cands = _cands([0, 0, 0, 1, 2, 2])
+    for g in cands.groups[:3]:
+        g.reuse = 1
+    b = candidate_batch(cands, AlgorithmConfig())
+    drift = np.array([0.05, 3.0, 0.02, 0.01, 1e-7, 2e-7])[b.group_index][:, None]  # group 1 drifted
+    b.prox_logprobs = (b.behav_logprobs + drift * b.loss_mask).astype(np.float64)
+    chosen, m = choose_groups(b, cands, 5, ReplayConfig(sg=True, warmup=0, sg_fill="none"), step=3)
+    assert chosen.tolist() == [4, 5, 3, 2, 0]
+    assert m["algo/select/reused_admitted"] == 2 and m["algo/select/admitted_frac"] == 5 / 6
+    assert m["algo/select/tau"] == 0.01 and m["algo/select/tau_quantile"] < 1e-12
+    off, _ = choose_groups(b, cands, 5, ReplayConfig(sg=True, warmup=0, sg_fill="none", sg_tau_floor=0.0), step=3)
+    assert off.tolist() == [4]  # the quantile alone (q = 0.9 of 1e-14, 4e-14): no stale group
+
+
+def test_fifo_takes_never_trained_groups_first_then_reused_oldest_first():
+    cands = _cands([0, 1, 1, 2, 3, 3])
+    for i in (0, 2, 3):
+        cands.groups[i].reuse = 1
+    chosen, m = choose_groups(None, cands, 5, ReplayConfig(sg=False, warmup=0), step=4)
+    assert chosen.tolist() == [1, 4, 5, 0, 2] and m["algo/select/reused_admitted"] == 3
 
 
 def test_reused_admitted_counts_what_selection_admits():

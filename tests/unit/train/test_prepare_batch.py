@@ -50,7 +50,8 @@ def test_fifo_recomputes_only_the_groups_it_trains():
     cands, learner = _cands(), FakeLearner()
     cfg = _cfg(enable=False, sg=False, pmis=False)
     train, chosen, metrics = prepare_batch(cfg, learner, cands, step=4)
-    assert chosen.tolist() == [0, 1, 2] and learner.recomputed == [12]  # 3 groups x 4, not all 5 groups
+    assert chosen.tolist() == [1, 2, 3] and learner.recomputed == [12]  # 3 groups x 4, not all 5 groups
+    # (never-trained groups first: the reused group 0 does not crowd them out)
     full = candidate_batch(cands, cfg.algo)
     full.prox_logprobs = FakeLearner().compute_logprobs(full)
     want = take_groups(full, chosen)  # what recomputing every candidate first would have trained
