@@ -47,6 +47,9 @@ class TrainConfig:
     seed: int = 1234
     run_dir: str = "runs/default"  # everything a run writes goes under it
     sft_steps: int = 0  # supervised warm start before RL (CPU demo); cached in run_dir
+    # the warm start stops once its greedy accuracy on the held-out problems reaches this
+    # (0: it runs all sft_steps); a target, not a step count, is what stays put across machines
+    sft_target: float = 0.0
     # each step lasts at least this long: the learner sleeps the rest after publishing. Emulates
     # a learner on its own hardware that is slower than generation, so that on a small shared
     # machine generation runs ahead and trained data reaches the staleness bound (experiments)
@@ -58,6 +61,8 @@ class TrainConfig:
             errs.append(("min_step_s", "must be >= 0 (0: no pacing)"))
         if self.steps < 0:
             errs.append(("steps", "must be >= 0"))
+        if not 0.0 <= self.sft_target < 1.0:
+            errs.append(("sft_target", "must be in [0, 1) (a held-out accuracy; 0: run all sft_steps)"))
         if self.batch_prompts < 1:
             errs.append(("batch_prompts", "must be >= 1"))
         if not self.run_dir:

@@ -2,9 +2,14 @@
 
 What it is: `prepare_model(cfg)`, which resolves `model.hf_dir: builtin:tiny-qwen3` into a real
 Hugging Face folder under `<run_dir>/model`: a randomly initialised tiny Qwen3 (GQA, QK-norm,
-tied embeddings) sized to the tokenizer, then `train.sft_steps` of supervised training on the
-reference answers of the task (a reasoning-gym entry's answer, or a math file's ground truth;
-prompt tokens masked out) so that RL starts from a policy that is sometimes right. The result
+tied embeddings) sized to the tokenizer, then up to `train.sft_steps` of supervised training on
+the reference answers of the task (a reasoning-gym entry's answer, or a math file's ground truth;
+prompt tokens masked out; warmup then cosine decay) so that RL starts from a policy that is
+sometimes right. With `train.sft_target` it stops at the first step whose greedy accuracy on the
+run's held-out problems (the ones evaluated before and after RL) reaches that target: the float
+rounding of a machine (thread count, vector kernels) changes the path of training, so a fixed
+step count lands anywhere between 15% and 26% on the demo, and a target lands on the target
+whatever the machine. The result
 is cached: a second run with the same settings reuses the folder (keyed by a hash of everything
 that shaped it, the data file's size and time included). `preflight(cfg)` refuses, before
 start, a source without reference answers.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -40,7 +46,13 @@ TINY_QWEN3: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 SFT_BATCH = 256
-SFT_LR = 2e-3
+# schedule: warmup, then cosine to a small LR, so that the model settles instead of jumping
+# between checks; with train.sft_target it stops on held-out greedy accuracy, not on a step count
+SFT_LR = 3e-3
+SFT_LR_FINAL = 1e-4
+SFT_WARMUP = 20
+SFT_CHECK_EVERY = 5  # steps between held-out checks far from the target
+SFT_CHECK_NEAR = 0.10  # within this of the target: check every step (accuracy can jump 5 points in 5 steps)
 
 
 def reference_answer(prompt: Any) -> str:
@@ -96,7 +108,9 @@ def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:
     spec = SourceSpec.parse(cfg.data.source)
     stat = os.stat(spec.target) if spec.kind in ("jsonl", "parquet") else None  # an edited file: a new warm start
     key = {"tiny": TINY_QWEN3, "sft_steps": cfg.train.sft_steps, "seed": cfg.train.seed,
-           "batch": SFT_BATCH, "lr": SFT_LR, "tokenizer": tok_dir, "data": {
+           "batch": SFT_BATCH, "lr": [SFT_LR, SFT_LR_FINAL, SFT_WARMUP], "tokenizer": tok_dir,
+           "target": [cfg.train.sft_target, SFT_CHECK_EVERY, SFT_CHECK_NEAR, cfg.eval.num_problems,
+                      cfg.data.eval_size, cfg.data.eval_source], "data": {
                "source": cfg.data.source, "kwargs": dict(cfg.data.dataset_kwargs),
                "template": cfg.data.prompt_template, "chat": cfg.data.chat_template, "seed": cfg.data.seed,
                "file": [stat.st_size, stat.st_mtime_ns] if stat else None}}
@@ -131,6 +145,7 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from megatron_darl.data.sources import build_loader
+    from megatron_darl.eval.session import eval_prompts
 
     tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     torch.manual_seed(cfg.train.seed)
@@ -143,7 +158,15 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
     if cfg.train.sft_steps > 0:
         data = replace(cfg.data, seed=cfg.data.seed + 7919)  # another order than the RL stream
         loader = build_loader(data, tok, "train")
-        stats.update(supervised_steps(model, tok, loader, cfg.train.sft_steps))
+        held_out = eval_prompts(cfg, tok) if cfg.train.sft_target > 0 else None
+        if cfg.train.sft_target > 0 and not held_out:
+            log.warning("train.sft_target=%s: the data has no held-out split, the warm start runs all "
+                        "train.sft_steps=%d steps", cfg.train.sft_target, cfg.train.sft_steps)
+        stats.update(supervised_steps(model, tok, loader, cfg.train.sft_steps, held_out, cfg.train.sft_target))
+        if stats.get("sft_reached_target") is False:
+            log.warning("warm start: held-out greedy accuracy %.3f after all train.sft_steps=%d steps, below "
+                        "train.sft_target=%s (raise train.sft_steps)", stats["sft_heldout_accuracy"],
+                        cfg.train.sft_steps, cfg.train.sft_target)
     tmp = out + f".tmp{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
@@ -156,34 +179,85 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
     os.replace(tmp, out)
 
 
-def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int,
-                     batch: int = SFT_BATCH, lr: float = SFT_LR) -> dict[str, float]:
-    """Cross-entropy on answer tokens only (prompt masked), AdamW, a progress bar."""
+def lr_at(step: int, steps: int, peak: float = SFT_LR) -> float:
+    """Linear warmup over SFT_WARMUP steps, then cosine from `peak` down to SFT_LR_FINAL at `steps`."""
+    if step < SFT_WARMUP:
+        return peak * (step + 1) / SFT_WARMUP
+    t = (step - SFT_WARMUP) / max(1, steps - SFT_WARMUP)
+    return SFT_LR_FINAL + 0.5 * (peak - SFT_LR_FINAL) * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+
+def answer_batch(tok: Any, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + reference answer + end token, right-padded: (input ids, labels on the answer
+    tokens only, -100 elsewhere, attention mask)."""
+    import torch
+
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    seqs = [(p.input_ids, tok.encode(reference_answer(p), add_special_tokens=False) + [eos]) for p in prompts]
+    width = max(len(a) + len(b) for a, b in seqs)
+    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    attn = torch.zeros_like(ids)
+    for i, (p, a) in enumerate(seqs):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
+        attn[i, : len(p) + len(a)] = 1
+    return ids, labels, attn
+
+
+def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
+    """Share of rows whose greedy decoding is exactly the reference answer then the end token:
+    the argmax at every answer position, given the reference prefix, is the reference token
+    (one forward pass instead of a decode loop; the same answers greedy decoding would give)."""
+    import torch
+
+    ids, labels, attn = batch
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        pred = model(input_ids=ids, attention_mask=attn).logits[:, :-1].argmax(-1)
+    model.train(was_training)
+    target = labels[:, 1:]
+    return float(((pred == target) | (target == -100)).all(-1).float().mean())
+
+
+def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, held_out: list[Any] | None = None,
+                     target: float = 0.0, batch: int = SFT_BATCH) -> dict[str, float]:
+    """Cross-entropy on answer tokens only (prompt masked), AdamW on the `lr_at` schedule, a
+    progress bar. With `held_out` prompts and `target` > 0 it stops at the first step whose
+    greedy accuracy on them (`greedy_accuracy`) reaches `target`: checked every SFT_CHECK_EVERY
+    steps, and every step once within SFT_CHECK_NEAR of it, so the warm start lands on the target
+    whatever the machine's float rounding made of the path there."""
     import torch
     from tqdm import trange
 
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    checks = answer_batch(tok, held_out) if held_out and target > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0, steps), weight_decay=0.0)
     model.train()
-    t0, loss_val = time.time(), float("nan")
+    t0, loss_val, acc, done, every = time.time(), float("nan"), float("nan"), 0, SFT_CHECK_EVERY
     bar = trange(steps, desc="warm start (SFT)", unit="step", mininterval=1.0)
-    for _ in bar:
-        prompts = loader.next_batch(batch)
-        seqs = [(p.input_ids, tok.encode(reference_answer(p), add_special_tokens=False) + [eos]) for p in prompts]
-        width = max(len(a) + len(b) for a, b in seqs)
-        ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
-        labels = torch.full_like(ids, -100)
-        attn = torch.zeros_like(ids)
-        for i, (p, a) in enumerate(seqs):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
-            attn[i, : len(p) + len(a)] = 1
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps)
+        ids, labels, attn = answer_batch(tok, loader.next_batch(batch))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        loss_val = float(loss.detach())
-        bar.set_postfix(loss=f"{loss_val:.3f}", refresh=False)
+        loss_val, done = float(loss.detach()), step + 1
+        if checks is not None and done % every == 0:
+            acc = greedy_accuracy(model, checks)
+            every = 1 if acc >= target - SFT_CHECK_NEAR else SFT_CHECK_EVERY
+            bar.set_postfix(loss=f"{loss_val:.3f}", held_out=f"{acc:.3f}", refresh=False)
+            if acc >= target:
+                break
+        else:
+            bar.set_postfix(loss=f"{loss_val:.3f}", refresh=False)
+    bar.close()
     model.eval()
-    return {"sft_final_loss": loss_val, "sft_seconds": round(time.time() - t0, 1)}
+    stats = {"sft_steps": done, "sft_final_loss": loss_val, "sft_seconds": round(time.time() - t0, 1)}
+    if checks is not None:
+        stats.update(sft_target=target, sft_heldout_accuracy=acc if acc == acc else greedy_accuracy(model, checks),
+                     sft_reached_target=bool(acc >= target))
+    return stats

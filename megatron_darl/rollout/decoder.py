@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from megatron_darl.rollout.api import SamplingParams
+from megatron_darl.rollout.weight_files import WeightLoadError, read_weight_file
 
 # architecture -> (has per-head QK RMSNorm, default for q/k/v biases when config has no
 # `attention_bias`)
@@ -36,8 +36,9 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class WeightLoadError(ValueError):
-    """A weight folder does not fit the running model (names the file or tensor)."""
+def _ignored(name: str, spec: ModelSpec) -> bool:
+    # tied models may still carry a copy of the embedding as lm_head
+    return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and spec.tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -129,30 +130,18 @@ class ModelSpec:
 
 
 def load_hf_tensors(model_dir: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Read every *.safetensors file of `model_dir` as fp32 and check names, shapes and values
-    (finite: a well-formed file of NaNs is refused, not served) against `spec`; raises
-    WeightLoadError naming the first offending tensor (nothing is half-loaded)."""
+    """Read every *.safetensors file of `model_dir` as fp32 and check it (`weight_files`: readable,
+    names, floating dtypes, shapes, finite values: a well-formed file of NaNs is refused, not
+    served) against `spec`, then that none is missing; raises WeightLoadError naming the first
+    offending file or tensor (nothing is half-loaded)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"{model_dir}: no *.safetensors files")
     expected = spec.expected_shapes()
+    arch = f"{spec.arch} ({spec.num_layers} layers)"
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and spec.tie_word_embeddings):
-                    continue  # tied models may still carry a copy of the embedding as lm_head
-                if name not in expected:
-                    raise WeightLoadError(f"{path.name}: unexpected tensor {name!r} for {spec.arch} ({spec.num_layers} layers)")
-                t = f.get_tensor(name)
-                if tuple(t.shape) != expected[name]:
-                    raise WeightLoadError(f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                          f"the running model expects {expected[name]}")
-                t = t.to(torch.float32)
-                if not bool(torch.isfinite(t).all()):
-                    bad = int((~torch.isfinite(t)).sum())
-                    raise WeightLoadError(f"{path.name}: tensor {name!r} has {bad} non-finite value(s) (NaN or Inf)")
-                tensors[name] = t
+        tensors.update(read_weight_file(path, expected, lambda name: _ignored(name, spec), arch))
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise WeightLoadError(f"{model_dir}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")

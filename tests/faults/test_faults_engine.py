@@ -7,7 +7,9 @@ bad day would: each test reproduces a probe that did not hold and checks that it
   the decode loop;
 - SIGTERM with a request waiting stops the engine promptly (it answers the request 503);
 - a well-formed safetensors full of NaN is refused by /update_weights_from_disk (400,
-  success false, old weights kept); a model that gives non-finite logits is reported by
+  success false, old weights kept), and so is every malformed file (empty, header cut off,
+  header only, data cut off, integer dtype, missing, extra or misshapen tensor: issue 19), with
+  the file and the cause named; a model that gives non-finite logits is reported by
   /health_generate (503) and refused at start.
 Engines are real `darl-engine` processes (or the same server in this process where a fault must
 be injected) on 127.0.0.1, always stopped.
@@ -156,6 +158,56 @@ def test_nan_weights_are_refused_and_the_old_weights_kept(world):
     after = generate(url, {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 9, "temperature": 0.0})[1]
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert_serving(url)
+
+
+def save_malformed_copy(src: Path, dst: Path, shape: str) -> Path:
+    """An HF folder whose model.safetensors is broken in the way `shape` names."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    raw = (src / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    if shape in ("empty", "header_cut", "header_only", "data_cut"):
+        cut = {"empty": 0, "header_cut": header_end // 2, "header_only": header_end, "data_cut": len(raw) - 100}[shape]
+        (dst / "model.safetensors").write_bytes(raw[:cut])
+        return dst
+    if shape == "wrong_dtype":
+        tensors[name] = tensors[name].to(torch.int32)
+    elif shape == "missing_tensor":
+        del tensors[name]
+    elif shape == "extra_tensor":
+        tensors["model.layers.7.mlp.up_proj.weight"] = tensors[name].clone()
+    elif shape == "wrong_shape":
+        tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("shape,cause", [
+    ("empty", "not a readable safetensors file (0 bytes)"),
+    ("header_cut", "not a readable safetensors file"),  # was a 500 "Server got itself in trouble"
+    ("header_only", "not a readable safetensors file"),
+    ("data_cut", "not a readable safetensors file"),
+    ("wrong_dtype", "'model.layers.0.mlp.up_proj.weight' has dtype int32"),
+    ("missing_tensor", "missing tensor 'model.layers.0.mlp.up_proj.weight'"),
+    ("extra_tensor", "unexpected tensor 'model.layers.7.mlp.up_proj.weight'"),
+    ("wrong_shape", "'model.layers.0.mlp.up_proj.weight' has shape (63, 32)"),
+])
+def test_a_malformed_weights_file_gets_a_400_naming_file_and_cause(world, shape, cause):
+    url, greedy = world["url"], {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 9, "temperature": 0.0}
+    before = generate(url, greedy)[1]
+    folder = save_malformed_copy(world["root"] / "v0", world["root"] / f"bad_{shape}", shape)
+    status, out = call(url, "/update_weights_from_disk", {"model_path": str(folder), "weight_version": "5"})
+    assert status == 400 and out["success"] is False and cause in out["message"], (status, out)
+    named = str(folder) if shape == "missing_tensor" else "model.safetensors:"
+    assert named in out["message"], out
+    assert call(url, "/model_info")[1]["weight_version"] == "0"
+    after = generate(url, greedy)[1]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert world["proc"].poll() is None
     assert_serving(url)
 
 
