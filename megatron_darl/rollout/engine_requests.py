@@ -14,6 +14,7 @@ What it is not: the server (`engine_server.py`) or the client side (`sglang_requ
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from typing import Any
@@ -194,3 +195,19 @@ def response_json(rid: str, output_ids: list[int], logprobs: list[float], versio
             "output_token_logprobs_length": len(output_ids),
         },
     }
+
+
+async def read_json_body(request: Any, allow_empty: bool = False) -> dict:
+    """The JSON object of an aiohttp request's body (`BadRequest` naming what is wrong otherwise)."""
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import logging
 import math
 import os
@@ -42,7 +41,7 @@ from aiohttp import web
 
 from megatron_darl.rollout.api import PAUSE_MODES, SamplingParams
 from megatron_darl.rollout.decoder import Decoder, Sequence, WeightLoadError
-from megatron_darl.rollout.engine_requests import BadRequest, parse_generate, response_json
+from megatron_darl.rollout.engine_requests import BadRequest, parse_generate, read_json_body, response_json
 from megatron_darl.rollout.engine_weight_group import WeightGroupRoutes
 
 log = logging.getLogger("darl-engine")
@@ -168,7 +167,7 @@ class EngineServer:
     async def agenerate(self, request: web.Request) -> web.Response:
         if self.closing:
             raise ShuttingDown("the engine is shutting down")
-        items, batched = parse_generate(await _ajson(request), self.decoder.spec.vocab_size)
+        items, batched = parse_generate(await read_json_body(request), self.decoder.spec.vocab_size)
         started = time.monotonic()
         dup = [rid for rid, _, _ in items if rid in self.futures]
         if dup or len({rid for rid, _, _ in items}) != len(items):
@@ -201,7 +200,7 @@ class EngineServer:
         return web.json_response(out if batched else out[0])
 
     async def apause(self, request: web.Request) -> web.Response:
-        body = await _ajson(request, allow_empty=True)
+        body = await read_json_body(request, allow_empty=True)
         # retract and in_place both keep requests and their KV here (nothing else competes
         # for the memory); the KV is recomputed only if the weights change before continue
         mode = _field(body, "mode", str, "abort")
@@ -214,13 +213,13 @@ class EngineServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def acontinue(self, request: web.Request) -> web.Response:
-        await _ajson(request, allow_empty=True)
+        await read_json_body(request, allow_empty=True)
         self.paused = False
         self.wake.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def aabort_request(self, request: web.Request) -> web.Response:
-        body = await _ajson(request, allow_empty=True)
+        body = await read_json_body(request, allow_empty=True)
         rid = _field(body, "rid", str, None)
         abort_all = _field(body, "abort_all", bool, False)
         if not rid and not abort_all:
@@ -230,7 +229,7 @@ class EngineServer:
         return web.Response(status=200)
 
     async def aupdate_from_disk(self, request: web.Request) -> web.Response:
-        body = await _ajson(request)
+        body = await read_json_body(request)
         path = _field(body, "model_path", str)
         if not path:
             raise BadRequest("field 'model_path' is required: an HF folder (config.json + *.safetensors)")
@@ -395,21 +394,6 @@ class EngineServer:
         if self.loop_task is not None:
             self.loop_task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-async def _ajson(request: web.Request, allow_empty: bool = False) -> dict:
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: str | None = None,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_darl.rollout.decoder import _IGNORED_SUFFIXES, WeightLoadError
-from megatron_darl.rollout.engine_requests import BadRequest
+from megatron_darl.rollout.engine_requests import BadRequest, read_json_body
 
 log = logging.getLogger(__name__)
 RECEIVE_TIMEOUT_S = 300.0  # a join or a broadcast the learner never completes fails after this
@@ -80,9 +80,7 @@ class WeightGroupRoutes:
         router.add_post("/destroy_weights_update_group", self.adestroy)
 
     async def _abody(self, request: web.Request) -> dict:
-        from megatron_darl.rollout.engine_server import _ajson
-
-        return await _ajson(request)
+        return await read_json_body(request)
 
     async def ainit(self, request: web.Request) -> web.Response:
         from megatron_darl.learner.weights import init_custom_group
