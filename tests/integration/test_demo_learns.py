@@ -42,11 +42,6 @@ def reduced_demo(tmp_path) -> DarlRun:
 
 
 @pytest.mark.slow
-# measured after merging main's issue-20 loop fixes: +3.0 [-4.1, +10.1] (warm start 39.5%, it
-# jumped past the 30% target between two checks); before them +6.0 [-0.6, +12.6] at 20 steps, a
-# pass at 40 steps. The recipe needs retuning (README, "On a fresh machine"); strict=False so that
-# a retuned recipe passes without an edit here
-@pytest.mark.xfail(strict=False, reason="the demo recipe does not yet learn reliably from the target-stopped warm start")
 @pytest.mark.timeout(660)
 def test_the_demo_recipe_learns_at_reduced_size(tmp_path):
     run = reduced_demo(tmp_path).start()
