@@ -6,7 +6,7 @@ verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay
 `decoupled_replay`), D-ARL and its ablations. Sizes (megatron_darl/experiment/plan.py):
 - `seeds` (the default): the seeds' regime, eta = 1 and K = 4, four cells (decoupled without
   replay, naive + replay, decoupled + replay, D-ARL), 4 seeds, two learning rates as a factor
-  (the recipe's, and the smallest of a short pilot's rates on which the PPO clip acts on >= 3%
+  (5e-5, and the smallest of a short pilot's rates on which the PPO clip acts on >= 3%
   of tokens); the warm start must lie in 10-35% or it stops before the main runs;
 - `etas`: every method tuned on one grid at one eta, then run at eta = 1, 2, 4, 8, and D-ARL's
   ablations;
