@@ -3,16 +3,16 @@
 What it is: `prepare_model(cfg)`, which resolves `model.hf_dir: builtin:tiny-qwen3` into a real
 Hugging Face folder under `<run_dir>/model`: a randomly initialised tiny Qwen3 (GQA, QK-norm,
 tied embeddings) sized to the tokenizer, then up to `train.sft_steps` of supervised training on
-the reference answers of the task (a reasoning-gym entry's answer, or a math file's ground truth;
-prompt tokens masked out; a short warmup, then a constant learning rate) so that RL starts
-from a policy that is sometimes right. With `train.sft_target` it stops at the first step whose greedy accuracy on the
-run's held-out problems (the ones evaluated before and after RL) reaches that target: the float
-rounding of a machine (thread count, vector kernels) changes the path of training, so a fixed
-step count lands anywhere between 15% and 26% on the demo, and a target lands on the target
-whatever the machine. The result
-is cached: a second run with the same settings reuses the folder (keyed by a hash of everything
-that shaped it, the data file's size and time included). `preflight(cfg)` refuses, before
-start, a source without reference answers.
+the reference answers of the task (a reasoning-gym entry's answer, or a math file's ground
+truth; prompt tokens masked out; a short warmup, then a constant learning rate) so that RL
+starts from a policy that is sometimes right. With `train.sft_target` it stops at the first step
+whose greedy accuracy on the run's held-out problems (the ones evaluated before and after RL)
+reaches that target: the float rounding of a machine (thread count, vector kernels) changes the
+path of training, so a fixed step count lands anywhere between 15% and 26% on the demo, and a
+target lands on the target whatever the machine. The result is cached: a second run with the
+same settings reuses the folder (keyed by a hash of everything that shaped it, the data file's
+size and time included). `preflight(cfg)` refuses, before start, a source without reference
+answers.
 What it is not: part of RL training. Any other `model.hf_dir` is returned unchanged.
 """
 
@@ -47,8 +47,8 @@ TINY_QWEN3: dict[str, Any] = {
 SFT_BATCH = 256
 # schedule: warmup, then constant; with train.sft_target it stops on held-out greedy accuracy, not
 # on a step count. Not annealed: a warm start cosine-decayed to 1e-4 reached the same 25% but RL
-# from it gained +0 to +2 points on the demo (its wrong answers too confident to flip in 120
-# steps), against +11 from the constant-LR one (README, "On a fresh machine")
+# from it gained -1 to +2 points on the demo (the sampled reward rose, greedy accuracy did not),
+# against +11 to +17 from the constant-LR one (README, "On a fresh machine")
 SFT_LR = 2e-3
 SFT_WARMUP = 20
 SFT_CHECK_EVERY = 5  # steps between held-out checks far from the target

@@ -88,8 +88,11 @@ _SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=
 # 5e-5 (the demo recipe's rate when this plan was made; the demo now trains at 1e-4 from another
 # warm start) and the smallest of `pilot_lrs` on which the clip acts on >= 3% of tokens in a
 # short pilot. No tuning: every cell runs at both rates, and the tests pair seeds.
+# The warm start on 3-term sums (constant LR after warmup, the demo's): held-out greedy accuracy
+# wanders between 6% and 15% from step 300 to 1200 (11.8% at 1200, measured), so it stops at the
+# first check reaching 12%, inside the 10-35% the regime asks for, instead of at a step count.
 _SEEDS_REGIME = (*_SETTINGS, "algo.ppo_n_minibatches=4", "data.dataset_kwargs.min_terms=3",
-                 "data.dataset_kwargs.max_terms=3", "train.sft_steps=400")
+                 "data.dataset_kwargs.max_terms=3", "train.sft_steps=1200", "train.sft_target=0.12")
 
 SIZES: dict[str, Size] = {
     "quick": Size(
