@@ -86,8 +86,8 @@ def _mount_of(path: str) -> tuple[str, str]:
                 point = parts[1].replace("\\040", " ")
                 if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
                     best = (point, parts[2])
-    except OSError:
-        pass
+    except OSError:  # no /proc (not Linux): the type stays unknown; the folder-name check still runs
+        return best
     return best
 
 

@@ -26,8 +26,8 @@ class _Health(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args):
-        pass
+    def log_message(self, *args):  # quiet: http.server logs every request to stderr
+        return None
 
 
 @pytest.fixture

@@ -138,6 +138,23 @@ def test_gate_credits_what_the_learner_used_up_and_plans_its_batch():
         gate.on_version(4, batch_size=0)
 
 
+class _Engines:
+    """Engines in ticks: each tick they generate up to `per_tick` groups, as the staleness gate
+    admits, at the version they serve (`version`, set by the caller after each step)."""
+
+    def __init__(self, ring: FakeRing, gate: StalenessGate, per_tick: int):
+        self.ring, self.gate, self.per_tick, self.gid, self.version = ring, gate, per_tick, 0, 0
+
+    def tick(self, ticks: int = 1) -> None:
+        for _ in range(ticks):
+            for _ in range(self.per_tick):
+                if not self.gate.try_acquire():
+                    break
+                self.gate.release(True)
+                self.ring.put_group(self.gid, self.version)
+                self.gid += 1
+
+
 def _simulate(new_protocol: bool, steps: int = 60, batch: int = 8, eta: int = 1, k: int = 2,
               per_tick: int = 2, train_ticks: int = 3, mismatch: float = 0.0, drift: float = 0.01, seed: int = 0):
     """A run in ticks: engines generate up to `per_tick` groups a tick, as the gate admits, with
@@ -150,22 +167,14 @@ def _simulate(new_protocol: bool, steps: int = 60, batch: int = 8, eta: int = 1,
     rng = np.random.default_rng(seed)
     ring, store = FakeRing(), _store(k=k)
     feed = ReplayFeed(ring, store, batch, eta)
-    gate, gid, version = StalenessGate(eta, batch), 0, 0
-
-    def tick():
-        nonlocal gid
-        for _ in range(per_tick):
-            if not gate.try_acquire():
-                return
-            gate.release(True)
-            ring.put_group(gid, version)
-            gid += 1
+    gate = StalenessGate(eta, batch)
+    engines = _Engines(ring, gate, per_tick)
 
     for step in range(steps):
         need = feed.step_new_groups(step) if new_protocol else batch
         feed.drain(step)
         while not store.ready(step, batch, min_new=need):
-            tick()
+            engines.tick()
             feed.drain(step)
         cands = feed.wait_candidates(step, lambda: None, 1) if new_protocol else store.candidates(step)
         age = step - cands.versions
@@ -176,9 +185,8 @@ def _simulate(new_protocol: bool, steps: int = 60, batch: int = 8, eta: int = 1,
         assert len(chosen) == batch
         tau = algo.selection_threshold(scores, versions, quantile=0.9)
         admitted = int(((scores.numpy() <= tau) & (cands.reuse > 0)).sum())
-        for _ in range(train_ticks):
-            tick()
-        version = step + 1
+        engines.tick(train_ticks)
+        version = engines.version = step + 1
         if new_protocol:
             planned = feed.commit(step, cands.group_ids[chosen], admitted)
             gate.on_version(version, consumed=store.consumed, batch_size=planned)
@@ -242,30 +250,20 @@ def _run(eta: int, k: int, steps: int = 30, batch: int = 8, per_tick: int = 4, t
     cfg = ReplayConfig(k=k, sg=False, pmis=False, warmup=warmup)
     ring, store = FakeRing(), ReplayStore(cfg, group_size=G)
     feed, gate = ReplayFeed(ring, store, batch, eta), StalenessGate(eta, batch)
-    gid, version, rows = 0, 0, []
-
-    def tick():
-        nonlocal gid
-        for _ in range(per_tick):
-            if not gate.try_acquire():
-                return
-            gate.release(True)
-            ring.put_group(gid, version)
-            gid += 1
+    engines, rows = _Engines(ring, gate, per_tick), []
 
     for step in range(steps):
         need = feed.step_new_groups(step)
         feed.drain(step)
         while not store.ready(step, batch, min_new=need):
-            tick()
+            engines.tick()
             feed.drain(step)
         cands = feed.wait_candidates(step, lambda: None, 1)
         chosen, metrics = choose_groups(None, cands, batch, cfg, step)
         rows.append({**batch_composition(cands, chosen),
                      "staleness_max": int(step - cands.versions[chosen].min())})
-        for _ in range(train_ticks):
-            tick()
-        version = step + 1
+        engines.tick(train_ticks)
+        version = engines.version = step + 1
         planned = feed.commit(step, cands.group_ids[chosen], metrics["algo/select/reused_admitted"])
         gate.on_version(version, consumed=store.consumed, batch_size=planned)
     return rows
