@@ -118,9 +118,9 @@ def test_the_seeds_plan_pilot_and_budget():
     for r, p, clip in zip(results, pilots, (0.01, 0.04, 0.09)):
         r.spec, r.clip_frac = p, clip
     assert pilot_choice(size, results)[0] == sorted(size.pilot_lrs)[1]
-    grown = with_overrides(size, lr_grid=(*size.lr_grid, 2e-4))
+    grown = with_overrides(size, lr_grid=(*size.lr_grid, 4e-4))
     specs = main_specs(grown, {})
-    assert len(specs) == 4 * 2 * 4 and {s.lr for s in specs} == {5e-5, 2e-4}
+    assert len(specs) == 4 * 2 * 4 and {s.lr for s in specs} == {1e-4, 4e-4}
     script = _script()  # the budget --plan prints
     assert estimate_s([*pilots, *specs], grown, script.STEP_S, script.EVAL_S, script.OVERHEAD_S) <= 95 * 60
 
