@@ -95,6 +95,15 @@ class DarlRun:
                                      stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
 
+    def run_to_end(self, timeout_s: float) -> "DarlRun":
+        """Start, wait for a zero exit (the output's tail in the failure) and tear down."""
+        try:
+            self.start()
+            assert self.wait(timeout_s) == 0, self.output()[-4000:]
+        finally:
+            self.kill()
+        return self
+
     def wait(self, timeout_s: float) -> int:
         try:
             return self.proc.wait(timeout=timeout_s)

@@ -19,11 +19,7 @@ BALANCE = {"staleness": {"max_head_offpolicyness": 1},
 @pytest.mark.timeout(300)
 def test_balance_run_finishes_with_exact_snapshots(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "balance", **BALANCE)
-    try:
-        run.start()
-        assert run.wait(200) == 0, run.output()[-4000:]
-    finally:
-        run.kill()
+    run.run_to_end(200)
     assert "replay.balance_snapshots=exact -> exact" in run.output()
     per_step = {m["step"]: m for m in run.metrics()}
     assert sorted(per_step) == [0, 1, 2, 3]

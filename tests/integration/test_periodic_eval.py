@@ -85,11 +85,7 @@ def test_only_due_versions_are_evaluated_and_eval_time_is_taken_out(tmp_path, wa
 def test_a_run_logs_accuracy_every_n_steps(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, eval={"num_problems": 40, "every_steps": 2}, data={"eval_size": 40},
                   logging={"progress": False, "tensorboard": True})
-    try:
-        run.start()
-        assert run.wait(360) == 0, run.output()[-4000:]
-    finally:
-        run.kill()
+    run.run_to_end(360)
     rows = run.metrics()
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["eval/version"] for r in evals] == [2.0, 4.0]

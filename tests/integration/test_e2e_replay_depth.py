@@ -1,0 +1,34 @@
+"""D-ARL's replay window in a real `darl-train` run (embedded engine, one learner rank) at
+staleness eta = 2 with K = 4 and a 2-step warmup: every step, warmup included, trains a full
+`train.batch_prompts` of groups (`train/batch_groups`), and after warmup some of each run's
+batches are groups trained at an earlier step (`replay/reused_frac` > 0). With the earlier
+window (K = max(2, eta)) nothing could be replayed at eta = 2, and warmup trained short batches;
+the unit simulations of the same rules are in tests/unit/replay/test_consumption.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e_harness import assert_nothing_left, new_run
+
+BATCH = 8
+WARMUP = 2
+DEPTH = {"staleness": {"max_head_offpolicyness": 2},
+         "replay": {"enable": True, "k": 4, "sg": True, "warmup": WARMUP, "pmis": True},
+         "algo": {"policy_loss": "darl", "ppo_n_minibatches": 2},
+         "train": {"steps": 10, "batch_prompts": BATCH}}
+
+
+@pytest.mark.slow  # a whole darl-train run
+@pytest.mark.timeout(400)
+def test_eta2_k4_trains_full_batches_and_replays(tmp_path, warm_model):
+    run = new_run(tmp_path, warm_model, "depth", **DEPTH)
+    run.run_to_end(300)
+    per_step = {m["step"]: m for m in run.metrics() if "train/batch_groups" in m}
+    assert sorted(per_step) == list(range(10)), sorted(per_step)
+    assert all(m["train/batch_groups"] == BATCH for m in per_step.values()), \
+        {s: m["train/batch_groups"] for s, m in per_step.items()}
+    reused = [per_step[s]["replay/reused_frac"] for s in sorted(per_step)]
+    assert all(0.0 <= r <= 1.0 for r in reused) and reused[0] == 0.0, reused  # nothing to reuse at step 0
+    assert sum(reused[WARMUP:]) > 0.0, reused
+    assert_nothing_left(run, run.run_info()["run_id"])
