@@ -203,14 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tuned = drv.run(tuning)
     best, scores = P.best_settings(size, tuned)
-    for m in size.methods:
-        if m not in best:
-            drv.failed.append(f"{m}: no tuning run finished, so it has no learning rate and was not run")
+    drv.failed += P.untuned(size, best)
     if size.tune:
         print("tuned: " + ", ".join(f"{m} {g.label}" for m, g in best.items()), flush=True)
     results = drv.run(P.main_specs(size, best))
     report = build_report(results, size, best if size.tune else {}, scores, tuned, pilot)
-    report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "out": os.path.abspath(args.out)})
+    # wall_s: this invocation (seconds when it reuses finished runs); runs_wall_s: the main runs' own
+    # wall times summed, which a rerun keeps
+    spent = sum((r.run_cost or {}).get("wall_s", 0.0) for r in results)
+    report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": round(spent, 1),
+                   "out": os.path.abspath(args.out)})
     text = markdown(report)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
         fh.write(text)

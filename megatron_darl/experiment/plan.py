@@ -169,6 +169,15 @@ def best_settings(size: Size, tuning: list[RunResult]) -> tuple[dict[str, Settin
     return best, scores
 
 
+def untuned(size: Size, best: dict[str, Setting]) -> list[str]:
+    """The methods a tuning size could not tune (no tuning run finished), as failures to report.
+    A size without tuning (`tune=False`) runs every method at every rate: nothing to miss."""
+    if not size.tune:
+        return []
+    return [f"{m}: no tuning run finished, so it has no learning rate and was not run"
+            for m in size.methods if m not in best]
+
+
 def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
     """Every main method at its best setting, every eta and seed; ablations at the tuning eta
     with the setting of the method they vary."""

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_darl.experiment import analysis as A
 from megatron_darl.experiment.api import Curve, RunResult, RunSpec, Setting
-from megatron_darl.experiment.plan import SIZES, best_settings, main_specs, tuning_specs, with_overrides
+from megatron_darl.experiment.plan import SIZES, best_settings, main_specs, tuning_specs, untuned, with_overrides
 
 
 def _run(method, acc, samples=None, eta=1, lr=5e-5, seed=0, loss_ok=True, ess=0.9, stale=(0.5, 1.0)):
@@ -119,8 +119,11 @@ def test_the_seeds_plan_pilot_and_budget():
         r.spec, r.clip_frac = p, clip
     assert pilot_choice(size, results)[0] == sorted(size.pilot_lrs)[1]
     grown = with_overrides(size, lr_grid=(*size.lr_grid, 4e-4))
-    specs = main_specs(grown, {})
+    best, _ = best_settings(grown, [])  # two rates and no tuning: no method is missing a rate
+    specs = main_specs(grown, best)
     assert len(specs) == 4 * 2 * 4 and {s.lr for s in specs} == {1e-4, 4e-4}
+    assert untuned(grown, best) == []  # (it reported all four methods as failed, and exited 1)
+    assert len(untuned(with_overrides(SIZES["etas"], methods=["darl"]), {})) == 1
     script = _script()  # the budget --plan prints
     assert estimate_s([*pilots, *specs], grown, script.STEP_S, script.EVAL_S, script.OVERHEAD_S) <= 95 * 60
 
