@@ -232,6 +232,7 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.0)
     model.train()
     t0, loss_val, acc, done, every = time.time(), float("nan"), float("nan"), 0, SFT_CHECK_EVERY
+    history: list[list[float]] = []  # [step, held-out accuracy] of every check
     bar = trange(steps, desc="warm start (SFT)", unit="step", mininterval=1.0)
     for step in bar:
         for group in opt.param_groups:
@@ -245,6 +246,7 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
         loss_val, done = float(loss.detach()), step + 1
         if checks is not None and done % every == 0:
             acc = greedy_accuracy(model, checks)
+            history.append([done, round(acc, 4)])
             every = 1 if acc >= target - SFT_CHECK_NEAR else SFT_CHECK_EVERY
             bar.set_postfix(loss=f"{loss_val:.3f}", held_out=f"{acc:.3f}", refresh=False)
             if acc >= target:
@@ -256,5 +258,20 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
     stats = {"sft_steps": done, "sft_final_loss": loss_val, "sft_seconds": round(time.time() - t0, 1)}
     if checks is not None:
         stats.update(sft_target=target, sft_heldout_accuracy=acc if acc == acc else greedy_accuracy(model, checks),
-                     sft_reached_target=bool(acc >= target))
+                     sft_reached_target=bool(acc >= target), sft_checks=history)
     return stats
+
+
+def checks_summary(history: list[list[float]]) -> dict[str, Any]:
+    """What the target stop selected from: the number of held-out checks, the best before the
+    last one, and the median and range of those in the later half of the steps before the last.
+    The stop reads the problems it is scored on, so its figure is the first check at or above the
+    target, which a wandering curve reaches by its high points; this says how far above the
+    curve's usual level that is."""
+    import statistics
+
+    before = history[:-1]
+    late = [a for s, a in before if s > history[-1][0] / 2] if before else []
+    return {"checks": len(history), "best_before_stop": max((a for _, a in before), default=None),
+            "later_half_median": statistics.median(late) if late else None,
+            "later_half_range": [min(late), max(late)] if late else None}

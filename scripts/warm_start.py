@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The demo's warm start alone: `prepare_model` on a config (dotted overrides allowed), then the
-stop it made (SFT steps, final loss, held-out greedy accuracy, seconds), as one JSON line.
+stop it made (SFT steps, final loss, held-out greedy accuracy, seconds, and what the stop selected
+from: `warmstart.checks_summary` of its held-out checks), as one JSON line.
 
 What it is: the command behind the README's warm-start table (thread counts and float kernels
 are set in the environment, e.g. `OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2`). What it is not:
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.run_dir, "model", "warmstart.json"), encoding="utf-8") as fh:
         stats = json.load(fh)
     keep = ("sft_steps", "sft_final_loss", "sft_heldout_accuracy", "sft_reached_target", "sft_seconds")
-    print(json.dumps({**{k: stats.get(k) for k in keep}, "wall_s": round(time.time() - t0, 1),
+    summary = warmstart.checks_summary(stats["sft_checks"]) if stats.get("sft_checks") else None
+    print(json.dumps({**{k: stats.get(k) for k in keep}, "held_out_checks": summary, "wall_s": round(time.time() - t0, 1),
                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                       "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY")}))
     return 0

@@ -181,10 +181,46 @@ def _caption(fig: dict) -> str:
             f"= {_pct(fig['threshold'])}%.")
 
 
+def _warm_lines(warm: dict | None) -> list[str]:
+    """What the shared warm start's target stop selected from (`warmstart.checks_summary`), when
+    its warmstart.json recorded its checks."""
+    summ = (warm or {}).get("checks_summary")
+    if not summ or summ["later_half_median"] is None:
+        return []
+    lo, hi = summ["later_half_range"]
+    return [f"Warm start: {warm['sft_steps']} SFT steps, stopped at {_pct(warm['sft_heldout_accuracy'])}% held-out "
+            f"greedy accuracy, the first of {summ['checks']} checks to reach {_pct(warm['sft_target'])}%, on the "
+            f"problems the curves are scored on: step 0 is a high point. Best check before it "
+            f"{_pct(summ['best_before_stop'])}%; checks over the later half of the steps before it: median "
+            f"{_pct(summ['later_half_median'])}% (range {_pct(lo)}-{_pct(hi)}%).", ""]
+
+
+def _curve_lines(runs: list[dict]) -> list[str]:
+    """Mean held-out accuracy over seeds at every in-loop evaluation, per cell (method, eta, lr,
+    minibatches): the numbers behind the plots. Cells whose seeds were evaluated at different
+    steps are left out."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in runs:
+        cells.setdefault((r["method"], r["eta"], r["lr"], r["minibatches"]), []).append(r)
+    rows = {k: v for k, v in cells.items() if len({tuple(r["curve"]["steps"]) for r in v}) == 1}
+    if not rows:
+        return []
+    steps = max((v[0]["curve"]["steps"] for v in rows.values()), key=len)
+    out = ["## Mean accuracy by step (%, over seeds)", "",
+           "| method | eta | lr | seeds | " + " | ".join(f"{s:g}" for s in steps) + " |",
+           "|---|---|---|---|" + "---|" * len(steps)]
+    for (m, eta, lr, _), v in rows.items():
+        means = [sum(r["curve"]["accuracy"][i] for r in v) / len(v) for i in range(len(v[0]["curve"]["steps"]))]
+        cells_txt = [_pct(x) for x in means] + ["-"] * (len(steps) - len(means))
+        out.append(f"| {METHODS[m].label} | {eta} | {lr:g} | {len(v)} | " + " | ".join(cells_txt) + " |")
+    return [*out, ""]
+
+
 def markdown(report: dict) -> str:
     best = report["tuned"]
     out = [f"# D-ARL comparison ({report['size']}: {report['steps']} steps, evaluation every "
            f"{report['eval_every']}, seeds {report['seeds']})", ""]
+    out += _warm_lines(report.get("warm_start"))
     for fig in report["tables"].values():
         table = _table(fig, best) if report["tuned_per_method"] else _factor_table(fig)
         out += [f"## {fig['title']}", "", _caption(fig), "", *table, "", *_tests_table(fig["tests"])]
@@ -203,6 +239,7 @@ def markdown(report: dict) -> str:
             cells = " | ".join(_pct(per.get(label)) for label in report["grid"])
             out.append(f"| {METHODS[m].label} | {cells} | {best[m]['label'] if m in best else '-'} |")
         out.append("")
+    out += _curve_lines(report["runs"])
     out.append(f"Collapse: the last evaluation more than {100 * report['definitions']['collapse_drop']:.0f} "
                "points below the warm start, or a non-finite loss. Intervals: 95% t-interval across seeds.")
     return "\n".join(out) + "\n"

@@ -2,8 +2,12 @@
 staleness eta = 2 with K = 4 and a 2-step warmup: every step, warmup included, trains a full
 `train.batch_prompts` of groups (`train/batch_groups`), and after warmup some of each run's
 batches are groups trained at an earlier step (`replay/reused_frac` > 0). With the earlier
-window (K = max(2, eta)) nothing could be replayed at eta = 2, and warmup trained short batches;
-the unit simulations of the same rules are in tests/unit/replay/test_consumption.py."""
+window (K = max(2, eta)) nothing could be replayed at eta = 2: run with `replay.k=2`, this test
+fails on its last check. The old warmup (newest version only) is not caught here: at batch 8 each
+warmup step's candidates are of one version, so keeping the newest keeps all of them;
+tests/unit/train/test_batching.py (`test_choose_groups_warmup_trains_a_full_batch`) pins that
+rule with candidates of several versions. The unit simulations of the feed, gate and store are
+in tests/unit/replay/test_consumption.py."""
 
 from __future__ import annotations
 

@@ -205,3 +205,39 @@ def test_the_pacing_setting_is_checked_and_the_default_size_paces():
         load_config("configs/cpu_demo_darl.yaml", ["train.min_step_s=-1"])
     assert load_config("configs/cpu_demo_darl.yaml", []).train.min_step_s == 0.0  # off unless asked
     assert "train.min_step_s=1.0" in SIZES["etas"].settings
+
+
+def test_the_report_says_what_the_warm_start_stop_selected_from(tmp_path):
+    import json
+
+    from megatron_darl.experiment.report import _warm_lines
+
+    model = tmp_path / "model"
+    model.mkdir()
+    checks = [[5, 0.02], [10, 0.08], [15, 0.05], [20, 0.07], [22, 0.122]]
+    (model / "warmstart.json").write_text(json.dumps({
+        "fingerprint": "x", "sft_steps": 22, "sft_target": 0.12, "sft_heldout_accuracy": 0.122, "sft_checks": checks}))
+    warm = _script().warm_start_stats(str(model))
+    assert "fingerprint" not in warm and warm["checks_summary"]["best_before_stop"] == 0.08
+    line = " ".join(_warm_lines(warm))
+    assert "stopped at 12.2%" in line and "first of 5 checks" in line and "median 6.0% (range 5.0-7.0%)" in line
+    del warm["checks_summary"]  # a warm start made before the checks were recorded: no line
+    assert _warm_lines(warm) == [] and _warm_lines(None) == []
+
+
+def test_the_report_lists_mean_accuracy_by_step_per_cell():
+    from megatron_darl.experiment.report import _curve_lines
+
+    def run(method, seed, acc, steps=(0.0, 10.0, 20.0)):
+        return {"method": method, "eta": 1, "lr": 1e-4, "minibatches": None, "seed": seed,
+                "curve": {"steps": list(steps), "accuracy": acc}}
+
+    lines = _curve_lines([run("darl", 0, [0.1, 0.2, 0.3]), run("darl", 1, [0.1, 0.4, 0.1]),
+                          run("decoupled_areal", 0, [0.1, 0.05, 0.2]),
+                          run("naive_replay", 0, [0.1, 0.2], steps=(0.0, 10.0)),
+                          run("naive_replay", 1, [0.1, 0.2, 0.2])])  # seeds at other steps: left out
+    assert lines[2] == "| method | eta | lr | seeds | 0 | 10 | 20 |"
+    assert lines[4].endswith("| 1 | 0.0001 | 2 | 10.0 | 30.0 | 20.0 |")  # means by hand
+    assert lines[5].endswith("| 1 | 0.0001 | 1 | 10.0 | 5.0 | 20.0 |")
+    assert len(lines) == 7 and not any("naive" in ln.lower() for ln in lines)
+    assert _curve_lines([]) == []

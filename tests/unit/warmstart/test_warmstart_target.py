@@ -51,6 +51,9 @@ def test_warm_start_stops_at_the_held_out_target_and_scores_as_greedy_decoding(t
     stats = stats_of(cfg)
     assert stats["sft_reached_target"] is True and stats["sft_steps"] < 150, stats
     assert 0.3 <= stats["sft_heldout_accuracy"] < 0.45, stats  # stopped at the first check over it
+    history = stats["sft_checks"]  # every check, the stop last
+    assert history[-1] == [stats["sft_steps"], round(stats["sft_heldout_accuracy"], 4)], history
+    assert all(a < 0.3 for _, a in history[:-1]) and [s for s, _ in history] == sorted({s for s, _ in history})
     evaluator = PeriodicEvaluator(replace(cfg, eval=replace(cfg.eval, every_steps=1)))
     try:
         decoded = evaluator.evaluate_folder(cfg.model.hf_dir).result("held-out").avg_at_k
@@ -69,3 +72,12 @@ def test_a_target_out_of_reach_runs_every_step_and_says_so(tmp_path, caplog):
     stats = stats_of(cfg)
     assert stats["sft_steps"] == 12 and stats["sft_reached_target"] is False, stats
     assert any("below train.sft_target=0.99" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_checks_summary_against_a_naive_count():
+    history = [[5, 0.02], [10, 0.08], [15, 0.05], [20, 0.07], [21, 0.04], [22, 0.13]]
+    got = warmstart.checks_summary(history)
+    later = [a for s, a in history[:-1] if s > 11]  # steps after half of 22, the stop excluded
+    assert later == [0.05, 0.07, 0.04]
+    assert got == {"checks": 6, "best_before_stop": 0.08, "later_half_median": 0.05, "later_half_range": [0.04, 0.07]}
+    assert warmstart.checks_summary([[5, 0.3]])["later_half_median"] is None  # stopped at the first check
