@@ -5,13 +5,15 @@ The recipe of `configs/cpu_demo_darl.yaml` (model, warm start stopped on held-ou
 D-ARL with replay and selection, rollout and reward settings, learning rate), reduced in size
 only: one-digit terms instead of two (the warm start reaches its target in tens of steps instead
 of hundreds), fewer and smaller RL steps, 200 held-out problems. It runs `darl-train` end to end
-and asserts that held-out greedy accuracy rises with the paired 95% interval above 0.
+and asserts that the sampled reward rises (last quarter of the steps against the first, by more
+than 3 standard errors) and that held-out greedy accuracy does not fall by 5 points.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 
 import pytest
 import yaml
@@ -23,7 +25,7 @@ REDUCED = {
     "data": {"dataset_kwargs": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
              "size": 20000, "eval_size": 200},
     "eval": {"num_problems": 200},
-    "train": {"steps": 40, "batch_prompts": 32, "sft_steps": 150, "sft_target": 0.3},
+    "train": {"steps": 80, "batch_prompts": 32, "sft_steps": 150, "sft_target": 0.3},
     "checkpoint": {"every_steps": 0},
     "logging": {"progress": False, "tensorboard": False},
 }
@@ -57,7 +59,22 @@ def test_the_demo_recipe_learns_at_reduced_size(tmp_path):
     lo, hi = summary["gain_ci95"]
     print(f"warm start {warm['sft_steps']} steps, held-out {summary['accuracy_before']:.3f} -> "
           f"{summary['accuracy_after']:.3f}, gain {summary['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}]")  # -rP shows it
-    assert lo > 0, (f"the demo recipe did not learn: held-out accuracy {summary['accuracy_before']:.3f} -> "
-                    f"{summary['accuracy_after']:.3f}, gain {summary['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}]\n"
-                    + run.output()[-3000:])
+    # The gate is the sampled reward, 80 steps x 256 samples: the last quarter's per-step mean above
+    # the first quarter's by more than 3 standard errors. Held-out greedy accuracy on 200 problems
+    # (the only 200 one-digit two-term sums there are) is too noisy to gate on: from the same warm
+    # start (44.0%), three runs of 80 steps gained +3.5, +9.0, +14.0 points and four of 40 steps
+    # +5.0 to +8.0, with paired intervals of about +-9 (5 of the 7 reach below 0). The reward of
+    # two of the 80-step runs rose 0.27 -> 0.34 and 0.27 -> 0.36; with optim.lr=0 it went 0.266 ->
+    # 0.260 (se 0.006) and this test failed. Held-out accuracy may not fall by 5 points.
+    reward = [m["rollout/reward_mean"] for m in sorted(run.metrics(), key=lambda m: m.get("step", -1))
+              if "train/batch_groups" in m and "rollout/reward_mean" in m]
+    q = len(reward) // 4
+    first, last = reward[:q], reward[-q:]
+    rise = sum(last) / q - sum(first) / q
+    se = (statistics.variance(first) / q + statistics.variance(last) / q) ** 0.5
+    assert q >= 10 and rise > 3 * se, (f"the demo recipe did not learn: sampled reward {sum(first) / q:.3f} -> "
+                                       f"{sum(last) / q:.3f} (first and last {q} steps, se {se:.3f})\n"
+                                       + run.output()[-3000:])
+    assert summary["gain"] > -0.05, (f"held-out accuracy fell: {summary['accuracy_before']:.3f} -> "
+                                     f"{summary['accuracy_after']:.3f}, gain {summary['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}]")
     assert_nothing_left(run, run.run_info()["run_id"])
