@@ -63,7 +63,7 @@ def test_the_demo_recipe_learns_at_reduced_size(tmp_path):
     # the first quarter's by more than 3 standard errors. Held-out greedy accuracy on 200 problems
     # (the only 200 one-digit two-term sums there are) is too noisy to gate on: from the same warm
     # start (44.0%), three runs of 80 steps gained +3.5, +9.0, +14.0 points and four of 40 steps
-    # +5.0 to +8.0, with paired intervals of about +-9 (5 of the 7 reach below 0). The reward of
+    # +5.0 to +8.0, with paired intervals of about +-9 (6 of the 7 reach below 0). The reward of
     # two of the 80-step runs rose 0.27 -> 0.34 and 0.27 -> 0.36; with optim.lr=0 it went 0.266 ->
     # 0.260 (se 0.006) and this test failed. Held-out accuracy may not fall by 5 points.
     reward = [m["rollout/reward_mean"] for m in sorted(run.metrics(), key=lambda m: m.get("step", -1))
