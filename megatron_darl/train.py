@@ -45,15 +45,16 @@ def train_loop(cfg: RunConfig, learner, feed, publisher, checkpointer, telemetry
         publisher.publish(step, **(dict(consumed=feed.store.consumed, new_groups=new_groups) if main else {}))
         pace_s = max(0.0, cfg.train.min_step_s - (time.perf_counter() - t0))  # train.min_step_s: a slower
         time.sleep(pace_s)                                                      # learner, for staleness experiments
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 or preempted():
-            checkpointer.save(step)                                             # 5. lossless checkpoint
+        stop = preempted()  # read once a step (a signal after this counts at the next step): the
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 or stop:  # loop stops
+            checkpointer.save(step)                                             # 5. only after a save
         metrics.update({"perf/step_s": time.perf_counter() - t0, "perf/publish_s": publisher.last_publish_s,
                         "perf/pace_s": pace_s,
                         "perf/wait_data_s": feed.wait_s if main else 0.0, "train/version": step})
         if evaluator is not None:                                               # held-out accuracy (eval.every_steps)
             metrics.update(evaluator.maybe_run(step, publisher))
         telemetry.log(step - 1, metrics)                                        # 6. log
-        if preempted():
+        if stop:
             break
     return step - start
 

@@ -25,8 +25,9 @@ def test_sigterm_checkpoints_then_resume_continues(tmp_path, warm_model):
         assert "preempted" in out, out[-3000:]
         done = len(run.ledger())
         assert 2 <= done < 60
-        ckpts = sorted(d for d in os.listdir(os.path.join(run.run_dir, "checkpoints")) if d.startswith("step_")
-                       and not d.endswith(".json"))
+        ckpt_dir = os.path.join(run.run_dir, "checkpoints")
+        assert os.path.isdir(ckpt_dir), f"stopped after {done} steps without a checkpoint:\n{out[-3000:]}"
+        ckpts = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".json"))
         assert ckpts[-1] == f"step_{done:08d}", (ckpts, done)  # the final checkpoint is the last step done
     finally:
         run.kill()
