@@ -12,7 +12,8 @@ path of training, so a fixed step count lands anywhere between 15% and 26% on th
 target lands on the target whatever the machine. The result is cached: a second run with the
 same settings reuses the folder (keyed by a hash of everything that shaped it, the data file's
 size and time included). `preflight(cfg)` refuses, before start, a source without reference
-answers.
+answers. `read_stats(model_dir)` is what a warm start recorded (warmstart.json), with
+`checks_summary` of its held-out checks: what the target stop selected from.
 What it is not: part of RL training. Any other `model.hf_dir` is returned unchanged.
 """
 
@@ -22,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -268,10 +270,18 @@ def checks_summary(history: list[list[float]]) -> dict[str, Any]:
     The stop reads the problems it is scored on, so its figure is the first check at or above the
     target, which a wandering curve reaches by its high points; this says how far above the
     curve's usual level that is."""
-    import statistics
-
     before = history[:-1]
     late = [a for s, a in before if s > history[-1][0] / 2] if before else []
     return {"checks": len(history), "best_before_stop": max((a for _, a in before), default=None),
             "later_half_median": statistics.median(late) if late else None,
             "later_half_range": [min(late), max(late)] if late else None}
+
+
+def read_stats(model_dir: str) -> dict[str, Any]:
+    """A warm start's warmstart.json without its cache fingerprint, plus `checks_summary` of its
+    held-out checks when it recorded them (warm starts made before they were recorded did not)."""
+    with open(os.path.join(model_dir, "warmstart.json"), encoding="utf-8") as fh:
+        stats = {k: v for k, v in json.load(fh).items() if k != "fingerprint"}
+    if stats.get("sft_checks"):
+        stats["checks_summary"] = checks_summary(stats["sft_checks"])
+    return stats

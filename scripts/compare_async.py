@@ -43,6 +43,7 @@ from megatron_darl.experiment import plan as P  # noqa: E402
 from megatron_darl.experiment.analysis import collapsed  # noqa: E402
 from megatron_darl.experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
 from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
+from megatron_darl.warmstart import read_stats  # noqa: E402
 
 # The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
 # method at the default size (batch 32 x 8, paced to >= 1 s; synchronous steps add generation to
@@ -164,18 +165,6 @@ def _pilot(drv: "Driver", size: P.Size) -> tuple[P.Size, dict | None, str | None
     return P.with_overrides(size, lr_grid=(*size.lr_grid, rate)), info, None
 
 
-def warm_start_stats(model_dir: str) -> dict:
-    """The shared warm start's warmstart.json (its fingerprint left out), with the summary of its
-    held-out checks when it recorded them."""
-    from megatron_darl.warmstart import checks_summary
-
-    with open(os.path.join(model_dir, "warmstart.json"), encoding="utf-8") as fh:
-        stats = {k: v for k, v in json.load(fh).items() if k != "fingerprint"}
-    if stats.get("sft_checks"):
-        stats["checks_summary"] = checks_summary(stats["sft_checks"])
-    return stats
-
-
 def publish(out: str, dest: str) -> None:
     """Copy the outputs a reader needs (results.md, results.json, the plots) into `dest`."""
     os.makedirs(dest, exist_ok=True)
@@ -224,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     # wall times summed, which a rerun keeps
     spent = sum((r.run_cost or {}).get("wall_s", 0.0) for r in results)
     report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": round(spent, 1),
-                   "warm_start": warm_start_stats(drv.warm), "out": os.path.abspath(args.out)})
+                   "warm_start": read_stats(drv.warm), "out": os.path.abspath(args.out)})
     text = markdown(report)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
         fh.write(text)

@@ -39,12 +39,10 @@ def main(argv: list[str] | None = None) -> int:
               "nothing to warm-start", file=sys.stderr)
         return 2
     t0 = time.time()
-    warmstart.prepare_model(cfg)
-    with open(os.path.join(args.run_dir, "model", "warmstart.json"), encoding="utf-8") as fh:
-        stats = json.load(fh)
+    stats = warmstart.read_stats(warmstart.prepare_model(cfg).model.hf_dir)
     keep = ("sft_steps", "sft_final_loss", "sft_heldout_accuracy", "sft_reached_target", "sft_seconds")
-    summary = warmstart.checks_summary(stats["sft_checks"]) if stats.get("sft_checks") else None
-    print(json.dumps({**{k: stats.get(k) for k in keep}, "held_out_checks": summary, "wall_s": round(time.time() - t0, 1),
+    print(json.dumps({**{k: stats.get(k) for k in keep}, "held_out_checks": stats.get("checks_summary"),
+                      "wall_s": round(time.time() - t0, 1),
                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                       "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY")}))
     return 0

@@ -211,13 +211,14 @@ def test_the_report_says_what_the_warm_start_stop_selected_from(tmp_path):
     import json
 
     from megatron_darl.experiment.report import _warm_lines
+    from megatron_darl.warmstart import read_stats
 
     model = tmp_path / "model"
     model.mkdir()
     checks = [[5, 0.02], [10, 0.08], [15, 0.05], [20, 0.07], [22, 0.122]]
     (model / "warmstart.json").write_text(json.dumps({
         "fingerprint": "x", "sft_steps": 22, "sft_target": 0.12, "sft_heldout_accuracy": 0.122, "sft_checks": checks}))
-    warm = _script().warm_start_stats(str(model))
+    warm = read_stats(str(model))
     assert "fingerprint" not in warm and warm["checks_summary"]["best_before_stop"] == 0.08
     line = " ".join(_warm_lines(warm))
     assert "stopped at 12.2%" in line and "first of 5 checks" in line and "median 6.0% (range 5.0-7.0%)" in line
