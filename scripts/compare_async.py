@@ -161,8 +161,14 @@ def _pilot(drv: "Driver", size: P.Size) -> tuple[P.Size, dict | None, str | None
     print(f"pilot: clip fraction by rate {clip}; higher rate {rate:g}"
           f"{'' if chosen is not None else f' (none reached {size.pilot_clip:.0%}: the largest tried)'}", flush=True)
     info = {"clip_frac": clip, "rate": rate, "reached": chosen is not None, "threshold": size.pilot_clip,
-            "method": size.pilot_method, "steps": size.pilot_steps, "warm_start_accuracy": warm}
+            "method": size.pilot_method, "steps": size.pilot_steps, "warm_start_accuracy": warm,
+            "final_accuracy": {f"{r.spec.lr:g}": r.final_accuracy for r in pilots}, "runs_wall_s": runs_wall_s(pilots)}
     return P.with_overrides(size, lr_grid=(*size.lr_grid, rate)), info, None
+
+
+def runs_wall_s(results: list) -> float:
+    """The runs' own wall seconds summed (each run records its invocation's, reused or not)."""
+    return round(sum((r.run_cost or {}).get("wall_s", 0.0) for r in results), 1)
 
 
 def publish(out: str, dest: str) -> None:
@@ -211,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     report = build_report(results, size, best if size.tune else {}, scores, tuned, pilot)
     # wall_s: this invocation (seconds when it reuses finished runs); runs_wall_s: the main runs' own
     # wall times summed, which a rerun keeps
-    spent = sum((r.run_cost or {}).get("wall_s", 0.0) for r in results)
-    report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": round(spent, 1),
+    report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": runs_wall_s(results),
                    "warm_start": read_stats(drv.warm), "out": os.path.abspath(args.out)})
     text = markdown(report)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:

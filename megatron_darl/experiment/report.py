@@ -216,11 +216,38 @@ def _curve_lines(runs: list[dict]) -> list[str]:
     return [*out, ""]
 
 
+def _pilot_lines(pilot: dict | None) -> list[str]:
+    """What the pilot measured at each rate and the rate it chose (reports that recorded the
+    pilot's accuracy; earlier ones only its clip fractions)."""
+    if not pilot or "final_accuracy" not in pilot:
+        return []
+    rates = list(pilot["clip_frac"])
+    why = (f"the smallest whose clip fraction reached {_pct(pilot['threshold'])}%" if pilot["reached"] else
+           f"none reached {_pct(pilot['threshold'])}%: the largest tried")
+    return [f"Pilot: {METHODS[pilot['method']].label}, {pilot['steps']} steps from the warm start, one seed, "
+            f"at rates {' / '.join(rates)}: PPO clip fraction {' / '.join(_pct(pilot['clip_frac'][r]) for r in rates)}%, "
+            f"final accuracy {' / '.join(_pct(pilot['final_accuracy'][r]) for r in rates)}%. Second rate "
+            f"{pilot['rate']:g}, {why}.", ""]
+
+
+def _cost_lines(report: dict) -> list[str]:
+    """The runs' own wall time (kept when a later invocation reuses them) and this invocation's."""
+    if report.get("runs_wall_s") is None:
+        return []
+    parts = [f"main runs {report['runs_wall_s'] / 60:.1f} min"]
+    if (report.get("pilot") or {}).get("runs_wall_s") is not None:
+        parts.insert(0, f"pilot {report['pilot']['runs_wall_s'] / 60:.1f} min")
+    if (report.get("warm_start") or {}).get("sft_seconds") is not None:
+        parts.insert(0, f"warm start (SFT) {report['warm_start']['sft_seconds'] / 60:.1f} min")
+    return [f"Wall time, one run at a time: {', '.join(parts)}. This invocation: {report['wall_s'] / 60:.1f} min "
+            "(less where it reused finished runs).", ""]
+
+
 def markdown(report: dict) -> str:
     best = report["tuned"]
     out = [f"# D-ARL comparison ({report['size']}: {report['steps']} steps, evaluation every "
            f"{report['eval_every']}, seeds {report['seeds']})", ""]
-    out += _warm_lines(report.get("warm_start"))
+    out += _warm_lines(report.get("warm_start")) + _pilot_lines(report.get("pilot")) + _cost_lines(report)
     for fig in report["tables"].values():
         table = _table(fig, best) if report["tuned_per_method"] else _factor_table(fig)
         out += [f"## {fig['title']}", "", _caption(fig), "", *table, "", *_tests_table(fig["tests"])]

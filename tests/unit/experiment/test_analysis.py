@@ -242,3 +242,22 @@ def test_the_report_lists_mean_accuracy_by_step_per_cell():
     assert lines[5].endswith("| 1 | 0.0001 | 1 | 10.0 | 5.0 | 20.0 |")
     assert len(lines) == 7 and not any("naive" in ln.lower() for ln in lines)
     assert _curve_lines([]) == []
+
+
+def test_the_report_prints_the_pilot_and_the_runs_wall_time():
+    from megatron_darl.experiment.report import _cost_lines, _pilot_lines
+
+    pilot = {"clip_frac": {"0.0002": 0.039, "0.0004": 0.071}, "final_accuracy": {"0.0002": 0.10, "0.0004": 0.006},
+             "rate": 2e-4, "reached": True, "threshold": 0.03, "method": "decoupled_areal", "steps": 12,
+             "runs_wall_s": 150.0}
+    line = _pilot_lines(pilot)[0]
+    assert "12 steps" in line and "at rates 0.0002 / 0.0004" in line
+    assert "clip fraction 3.9 / 7.1%" in line and "final accuracy 10.0 / 0.6%" in line
+    assert "Second rate 0.0002, the smallest whose clip fraction reached 3.0%" in line
+    assert "none reached" in _pilot_lines({**pilot, "reached": False})[0]
+    assert _pilot_lines({k: v for k, v in pilot.items() if k != "final_accuracy"}) == [] and _pilot_lines(None) == []
+    report = {"runs_wall_s": 2661.0, "wall_s": 6.0, "pilot": pilot, "warm_start": {"sft_seconds": 288.0}}
+    assert _cost_lines(report)[0] == ("Wall time, one run at a time: warm start (SFT) 4.8 min, pilot 2.5 min, "
+                                      "main runs 44.4 min. This invocation: 0.1 min (less where it reused "
+                                      "finished runs).")
+    assert _cost_lines({"wall_s": 6.0}) == []  # a report from before runs_wall_s was recorded
