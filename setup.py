@@ -34,7 +34,7 @@ setup(
     version="0.1.0",
     description="Asynchronous RL post-training for LLM reasoning: D-ARL on Megatron-Core + SGLang",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_darl", "megatron_darl.*", "checkpoint_tools", "checkpoint_tools.*"]),
+    packages=find_packages(include=["megatron_darl", "megatron_darl.*", "checkpoint_tools", "checkpoint_tools.*", "experiment"]),
     install_requires=CPU_REQUIRES,
     extras_require={
         # megatron-core 0.16.1 declares transformer-engine>=2.9,<2.12 (its `dev` extra). SGLang is
@@ -48,12 +48,12 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "darl-train=megatron_darl.cli:train",
-            "darl-engine=megatron_darl.cli:engine",
-            "darl-convert=megatron_darl.cli:convert",
-            "darl-logprobs=megatron_darl.cli:logprobs",
-            "darl-eval=megatron_darl.cli:evaluate",
-            "darl-launch=megatron_darl.cli:launch",
+            "darl-train=megatron_darl.launch.cli:train",
+            "darl-engine=megatron_darl.launch.cli:engine",
+            "darl-convert=megatron_darl.launch.cli:convert",
+            "darl-logprobs=megatron_darl.launch.cli:logprobs",
+            "darl-eval=megatron_darl.launch.cli:evaluate",
+            "darl-launch=megatron_darl.launch.cli:launch",
         ]
     },
 )

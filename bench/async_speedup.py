@@ -10,7 +10,7 @@ for `--rounds` rounds. From each run's `metrics.jsonl`, over its steady state (s
   plus the G samples of each group the equal-reward filter dropped; from the rollout manager's
   counters, which the learner reads at most a second old);
 - learner idle: share of the wall the learner waited for data (`perf/wait_data_s`, plus
-  `perf/pace_s` if `--extra train.min_step_s=...` paces it);
+  `perf/pace_s` if `--extra demo.min_step_s=...` paces it);
 - engine idle: 1 - engine-seconds with requests in flight (`rollout/engine_busy_s`) / wall;
 - speedup(eta) = training steps/s at eta / steps/s synchronous (medians over rounds): the same
   work, B x G samples trained per step, in less time;
@@ -42,8 +42,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.experiment.api import METHODS, method_window  # noqa: E402
-from megatron_darl.experiment.runs import child_env, prepare_warm_start  # noqa: E402
+from experiment.api import METHODS, method_window  # noqa: E402
+from experiment.runs import child_env, prepare_warm_start  # noqa: E402
 
 
 def run(out: str, name: str, config: str, warm: str, overrides: list[str], timeout_s: float) -> list[dict]:
@@ -125,7 +125,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench_async")
     p.add_argument("--methods", nargs="+", default=["decoupled_areal", "darl"], choices=["decoupled_areal", "darl"])
     p.add_argument("--etas", nargs="+", type=int, default=[1, 2, 4], help="asynchronous bounds (0 is always run)")
-    p.add_argument("--rounds", type=int, default=1, help="alternated rounds; medians over them (3 for the README)")
+    p.add_argument("--rounds", type=int, default=1, help="alternated rounds; medians over them (3 for docs/measurements.md)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=5,
                    help="first steps left out of the steady state (start-up; D-ARL's selection warmup is 5)")
@@ -146,10 +146,10 @@ def main() -> int:
         for method in args.methods:
             for eta in etas:
                 over = [o for o in METHODS[method].overrides if not o.startswith("staleness.")]
-                over += [f"staleness.max_head_offpolicyness={eta}", f"train.steps={args.steps}", *args.extra]
+                over += [f"algo.max_head_offpolicyness={eta}", f"train.steps={args.steps}", *args.extra]
                 k = method_window(method, eta)  # the suite's window, K = eta + replay depth (None: no replay)
                 if k is not None:
-                    over.append(f"replay.k={k}")
+                    over.append(f"algo.k={k}")
                 rows = run(args.out, f"{method}_eta{eta}_r{rnd}", args.config, warm, over, args.run_timeout)
                 ph = phases(rows, args.skip, group_size)
                 results[method][eta].append(ph)

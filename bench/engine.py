@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.rollout.api import SamplingParams  # noqa: E402
-from megatron_darl.rollout.decoder import Decoder, Sequence  # noqa: E402
+from megatron_darl.engine.decoder import Decoder, Sequence  # noqa: E402
+from megatron_darl.types import SamplingParams  # noqa: E402
 
 BATCHES = (8, 32, 64)
 PROMPT_LEN = 16

@@ -39,7 +39,7 @@ def _model_dir(root: str, on_gpu: bool) -> tuple[str, int]:
     """Save a random Qwen3 (CPU: small; GPU: Qwen3-1.7B shapes) and return (folder, parameters)."""
     import transformers
 
-    from megatron_darl.learner.preflight import PUBLISHED
+    from megatron_darl.learner.checks import PUBLISHED
 
     shapes = {k: v for k, v in PUBLISHED["qwen3-1.7b"].items() if k not in ("architectures", "model_type")} \
         if on_gpu else dict(CPU_MODEL, tie_word_embeddings=True)
@@ -75,14 +75,15 @@ def _timed(step, steps: int, sync) -> float:
 
 
 def megatron_step_s(hf_dir: str, batch, steps: int, sync) -> float:
-    from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.algo.config import AlgoConfig
+    from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     tokens = int(batch.lengths.sum())
     learner = MegatronLearner(ModelConfig(hf_dir=hf_dir), ParallelConfig(), OptimConfig(lr=1e-6, grad_clip=1.0),
                               LearnerConfig(micro_batch_tokens=tokens),
-                              AlgorithmConfig(policy_loss="ppo", old_logprob="behavior", recompute_proximal=False,
-                                              ppo_n_minibatches=1))
+                              AlgoConfig(policy_loss="ppo", old_logprob="behavior", recompute_proximal=False,
+                                         replay=False, sg=False, pmis=False, ppo_n_minibatches=1))
     try:
         return _timed(lambda: learner.train_step(batch), steps, sync)
     finally:

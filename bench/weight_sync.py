@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.publication import Publisher  # noqa: E402
+from megatron_darl.trainer.publication import Publisher  # noqa: E402
 
 VOCAB = 32000
 
@@ -87,8 +87,8 @@ class _ExportingLearner:
 
 def build(target_m: float, ctx, work: str) -> tuple[_ExportingLearner, list[torch.Tensor]]:
     from checkpoint_tools.adapters import get_adapter
+    from megatron_darl.config.learner import ModelConfig, ParallelConfig
     from megatron_darl.learner import model
-    from megatron_darl.learner.api import ModelConfig, ParallelConfig
 
     src = os.path.join(work, f"src{target_m:g}")
     os.makedirs(src, exist_ok=True)
@@ -146,8 +146,8 @@ def measure_versions(learner: _ExportingLearner, root: str, reps: int) -> dict:
     """Seconds per version until a real darl-engine serves it: disk vs distributed."""
     import asyncio
 
-    from megatron_darl.learner.weight_sender import WeightSender
     from megatron_darl.rollout.sglang_client import SGLangClient
+    from megatron_darl.trainer.weight_sender import WeightSender
     from megatron_darl.types import WeightVersion
 
     os.makedirs(root, exist_ok=True)
@@ -195,8 +195,8 @@ class _engine:
     """A darl-engine subprocess on `model` (127.0.0.1), up until the block ends."""
 
     def __init__(self, model: str):
-        from megatron_darl.learner.weight_sender import free_port
-        from megatron_darl.rollout.engine_server import engine_command
+        from megatron_darl.engine.server import engine_command
+        from megatron_darl.trainer.weight_sender import free_port
 
         self.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
         self.cmd = engine_command(model, int(self.url.rsplit(":", 1)[1]), max_batch=4)
@@ -234,7 +234,7 @@ def main() -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-    from megatron_darl.learner.api import ParallelConfig
+    from megatron_darl.config.learner import ParallelConfig
     from megatron_darl.learner.parallel import destroy_parallel, init_parallel
 
     ctx = init_parallel(ParallelConfig(), seed=0)

@@ -208,3 +208,59 @@ def make_train_batch(trajs: list[Trajectory], advantages: np.ndarray) -> TrainBa
         rewards=np.array([t.reward for t in trajs], dtype=np.float32),
         prompt_ids=np.array([t.prompt_id for t in trajs], dtype=np.int64),
     )
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class SamplingParams:
+    """The subset of SGLang `sampling_params` an RL rollout uses. `to_json` gives SGLang's
+    field names: `seed` travels as `sampling_seed` (SGLang's SamplingParams is a strict struct:
+    an unknown key fails the whole request)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k truncation (SGLang's convention)
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None  # per-request sampler seed (SGLang: `sampling_seed`, an int64)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "max_new_tokens": int(self.max_new_tokens),
+            "stop_token_ids": [int(t) for t in self.stop_token_ids],
+            "ignore_eos": bool(self.ignore_eos),
+        }
+        if self.seed is not None:
+            d["sampling_seed"] = int(self.seed)
+        return d
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to continue: `input_ids` is the prompt plus any partial response so far."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    rid: str  # request id, used by /abort_request
+
+
+@dataclass
+class GenerateResponse:
+    """What came back for one request. `output_versions[t]` is the weight version that sampled
+    token t, read from the answer's `meta_info.weight_versions` spans (`[{version, start,
+    end}]`, one per version that produced tokens; SGLang and the embedded engine both send
+    them), or from its single `weight_version` when a server sends no spans."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    meta: dict[str, Any] = field(default_factory=dict)

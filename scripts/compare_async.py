@@ -39,11 +39,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
 
-from megatron_darl.experiment import plan as P  # noqa: E402
-from megatron_darl.experiment.analysis import collapsed  # noqa: E402
-from megatron_darl.experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
-from megatron_darl.experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
-from megatron_darl.warmstart import read_stats  # noqa: E402
+from experiment import plan as P  # noqa: E402
+from experiment.analysis import collapsed  # noqa: E402
+from experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
+from experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
+from megatron_darl.launch.warmstart import read_stats  # noqa: E402
 
 # The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
 # method at the default size (batch 32 x 8, paced to >= 1 s; synchronous steps add generation to
@@ -155,7 +155,7 @@ def _pilot(drv: "Driver", size: P.Size) -> tuple[P.Size, dict | None, str | None
     warm = pilots[0].curve.accuracy[0]
     if size.warm_range and not size.warm_range[0] <= warm <= size.warm_range[1]:
         return size, None, (f"the warm start's accuracy {100 * warm:.1f}% is outside {size.warm_range}: "
-                            f"change train.sft_steps (--extra) and rerun")
+                            f"change demo.sft_steps (--extra) and rerun")
     chosen, clip = P.pilot_choice(size, pilots)
     rate = chosen if chosen is not None else max(size.pilot_lrs)
     print(f"pilot: clip fraction by rate {clip}; higher rate {rate:g}"

@@ -3,7 +3,7 @@
 # venv, then exactly `pip install -e . && darl-train --config configs/cpu_demo_darl.yaml`.
 # Prints one line: threads, wall time (install included), warm-start steps, held-out accuracy
 # before -> after and the gain with its paired 95% interval (from the run's summary.json).
-# It is the command behind the README's fresh-clone table; it is not a test.
+# It is the command behind the fresh-clone table of docs/measurements.md; it is not a test.
 #   scripts/fresh_clone_demo.sh REPO WORKDIR [THREADS]   (THREADS: OMP_NUM_THREADS; empty: unset)
 set -uo pipefail
 repo=${1:?usage: scripts/fresh_clone_demo.sh REPO WORKDIR [THREADS]}

@@ -3,7 +3,7 @@
 stop it made (SFT steps, final loss, held-out greedy accuracy, seconds, and what the stop selected
 from: `warmstart.checks_summary` of its held-out checks), as one JSON line.
 
-What it is: the command behind the README's warm-start table (thread counts and float kernels
+What it is: the command behind the warm-start table of docs/measurements.md (thread counts and float kernels
 are set in the environment, e.g. `OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2`). What it is not:
 RL or an evaluation by the engine (the warm start's own check is teacher-forced greedy, which
 `tests/unit/warmstart` holds equal to the engine's greedy score).
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help="folder for the warm start (reused when its settings match)")
     args = p.parse_args(argv)
     from megatron_darl.config import ConfigError, load_config
-    from megatron_darl import warmstart
+    from megatron_darl.launch import warmstart
 
     try:
         cfg = load_config(args.config, [*args.overrides, f"train.run_dir={args.run_dir}"])

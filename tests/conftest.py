@@ -1,4 +1,6 @@
-"""Shared pytest setup: one thread per process (2-core machines), GPU tests skip with a reason."""
+"""Shared pytest setup: one thread per process (2-core machines), GPU tests skip with a reason,
+and the fixtures more than one folder uses, defined once: `warm_model` (a warm-started tiny model,
+made once per session) and `demo_tok` (the demo tokenizer). Harnesses live in `tests/helpers/`."""
 
 import os
 
@@ -25,3 +27,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory) -> str:
+    """A Hugging Face folder (model + demo tokenizer) after `SFT_STEPS` supervised steps, so that
+    rewards vary within groups and losses are not identically zero; each run copies it."""
+    from dataclasses import replace
+
+    from megatron_darl.config import load_config
+    from megatron_darl.launch import warmstart
+    from tests.helpers.e2e import SFT_STEPS, base_config, write_config
+
+    root = str(tmp_path_factory.mktemp("warm"))
+    cfg_dict = base_config(root, "builtin:tiny-qwen3")
+    cfg_dict["model"] = {"hf_dir": "builtin:tiny-qwen3", "tokenizer": "builtin:demo"}
+    cfg = load_config(write_config(os.path.join(root, "warm.yaml"), cfg_dict))
+    cfg = replace(cfg, demo=replace(cfg.demo, sft_steps=SFT_STEPS))
+    return warmstart.prepare_model(cfg).model.hf_dir
+
+
+@pytest.fixture(scope="session")
+def demo_tok(tmp_path_factory):
+    from megatron_darl.data.tokenizers import load_tokenizer
+
+    return load_tokenizer("builtin:demo", cache_dir=tmp_path_factory.mktemp("cache"))

@@ -1,5 +1,6 @@
-"""Data role: the data config, the `Prompt` that leaves this role, the source protocol, the bad-row
-report and the `PromptLoader` that draws prompts epoch by epoch with a resumable state.
+"""Data role: the `Prompt` that leaves this role, the source protocol, the bad-row report and the
+`PromptLoader` that draws prompts epoch by epoch with a resumable state (the `data` config
+section is `config/data.py`).
 
 What it is: the contract between prompt sources (reasoning-gym tasks, JSONL/parquet files,
 HumanEval) and the rollout manager, which only ever calls `PromptLoader.next_batch(n)`.
@@ -13,131 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
-import string
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 TASKS = ("math", "procedural", "code")
-FORMATS = ("auto", "gsm8k", "math500", "aime24", "livecodebench", "custom")
-SOURCE_KINDS = ("reasoning_gym", "jsonl", "parquet", "humaneval")
 PROGRESS_ROWS = 5000  # validating a source this large shows a progress bar
 MAX_DETAIL = 300  # characters of a rejection's detail kept in the report (a 1 MB row is not copied)
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """A parsed `DataConfig.source` string: `kind` is one of SOURCE_KINDS, `target` the dataset
-    name (reasoning_gym) or file path (jsonl, parquet), empty for humaneval."""
-
-    kind: str
-    target: str
-
-    @classmethod
-    def parse(cls, spec: str) -> SourceSpec:
-        kind, sep, target = spec.partition(":")
-        kind, target = kind.strip(), target.strip()
-        if kind not in SOURCE_KINDS:
-            raise ValueError(
-                f"source spec {spec!r}: unknown kind {kind!r}; allowed: "
-                "reasoning_gym:<dataset>, jsonl:<path>, parquet:<path>, humaneval"
-            )
-        if kind == "humaneval":
-            if target:
-                raise ValueError(f"source spec {spec!r}: 'humaneval' takes no argument")
-            return cls(kind, "")
-        if not sep or not target:
-            raise ValueError(f"source spec {spec!r}: {kind} needs a target, e.g. {kind}:<name or path>")
-        return cls(kind, target)
-
-
-@dataclass
-class DataConfig:
-    """Where prompts come from and how they become token ids. Field comments are the documentation."""
-
-    source: str = "reasoning_gym:chain_sum"  # reasoning_gym:<dataset> | jsonl:<path> | parquet:<path> | humaneval
-    eval_source: str | None = None  # same syntax; None: procedural -> held-out seed of `source`, files -> no eval set
-    format: str = "auto"  # field mapping of file sources (auto detects gsm8k/math500/aime24/livecodebench per file)
-    prompt_field: str | None = None  # format=custom: the row key holding the question
-    answer_field: str | None = None  # format=custom: the row key holding the ground truth (None: no ground truth)
-    dataset_kwargs: dict[str, Any] = field(default_factory=dict)  # reasoning-gym config args, e.g. {min_terms: 3}
-    size: int = 10000  # procedural: prompts per epoch
-    eval_size: int = 500  # procedural held-out set size (0: no eval set)
-    seed: int = 0  # procedural generation seed and shuffling seed of the loader
-    system_prompt: str | None = None  # chat template only: a system message before the question
-    chat_template: bool = True  # format through the tokenizer's chat template; false: the raw prompt_template
-    prompt_template: str = "{question}"  # user message; fields: {question} and any scalar metadata key
-    chat_kwargs: dict[str, Any] = field(default_factory=dict)  # apply_chat_template extras: {enable_thinking: false}
-    max_prompt_tokens: int = 1024  # longer prompts are counted as bad rows and skipped
-
-    _choices: ClassVar[dict[str, tuple[str, ...]]] = {"format": FORMATS}
-
-    def check(self) -> list[tuple[str, str]]:
-        errs: list[tuple[str, str]] = []
-        for name in ("source", "eval_source"):
-            spec = getattr(self, name)
-            if spec is None:
-                continue
-            try:
-                parsed = SourceSpec.parse(spec)
-            except ValueError as e:
-                errs.append((name, str(e)))
-                continue
-            errs.extend((name, msg) for msg in _check_spec_target(parsed))
-        if self.format == "custom" and not self.prompt_field:
-            errs.append(("prompt_field", "format=custom needs prompt_field (the row key holding the question)"))
-        if self.format != "custom" and (self.prompt_field or self.answer_field):
-            errs.append(("format", "prompt_field/answer_field are used only with format=custom"))
-        if self.size < 1:
-            errs.append(("size", "must be >= 1"))
-        if self.eval_size < 0:
-            errs.append(("eval_size", "must be >= 0 (0: no eval set)"))
-        if self.max_prompt_tokens < 1:
-            errs.append(("max_prompt_tokens", "must be >= 1"))
-        if self.system_prompt is not None and not self.chat_template:
-            errs.append(("system_prompt", "needs chat_template=true (a raw template has no system role)"))
-        if self.chat_kwargs and not self.chat_template:
-            errs.append(("chat_kwargs", "needs chat_template=true"))
-        try:
-            template_fields(self.prompt_template)
-        except ValueError as e:
-            errs.append(("prompt_template", str(e)))
-        return errs
-
-    def missing_files(self) -> list[tuple[str, str]]:
-        """(field, message) for each file source that does not exist on this machine."""
-        out = []
-        for name in ("source", "eval_source"):
-            spec = getattr(self, name)
-            if spec is None:
-                continue
-            parsed = SourceSpec.parse(spec)
-            if parsed.kind in ("jsonl", "parquet") and not Path(parsed.target).expanduser().is_file():
-                out.append((name, f"file not found: {parsed.target}"))
-        return out
-
-
-def _check_spec_target(spec: SourceSpec) -> list[str]:
-    # file existence is not checked here: a recipe must print (--print-config) on any machine;
-    # `DataConfig.missing_files()` is the pre-flight check before a run starts
-    if spec.kind == "reasoning_gym":
-        from reasoning_gym.factory import DATASETS  # heavy import, only when a procedural source is named
-
-        if spec.target not in DATASETS:
-            return [f"unknown reasoning-gym dataset {spec.target!r}; e.g. chain_sum, basic_arithmetic, gsm_symbolic"]
-    return []
-
-
-def template_fields(template: str) -> list[str]:
-    """Names used by a `str.format` template; ValueError on malformed braces or positional fields."""
-    names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-    for name in names:
-        if name == "" or name.isdigit():
-            raise ValueError(f"template {template!r}: positional field {{{name}}}; use named fields like {{question}}")
-    return names
 
 
 def json_safe(value: Any, *, lossy: bool = False) -> Any:

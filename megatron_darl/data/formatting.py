@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_darl.data.api import DataConfig, PromptError, PromptRecord, template_fields
+from megatron_darl.config.data import DataConfig, template_fields
+from megatron_darl.data.api import PromptError, PromptRecord
 
 
 class PromptTooLong(PromptError):

@@ -1,40 +1,13 @@
-"""Eval role: benchmark evaluation config and result types.
+"""Eval role: the result type of a benchmark evaluation.
 
-What it is: `EvalConfig` (how many held-out problems, samples per problem, sampling, how often
-during training) and the `EvalResult` record that evaluation produces.
-What it is not: the graders (they live in `rollout/rewards/`) or the generation backend.
+What it is: the `EvalResult` record that evaluation produces (its settings are the `eval` config
+section, `config/eval.py`).
+What it is not: the graders (they live in `rewards/`) or the generation backend.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation during and after training."""
-
-    num_problems: int = 500  # problems drawn from data.eval_source (0: no evaluation)
-    samples_per_problem: int = 1  # k of avg@k / pass@k
-    temperature: float = 0.0  # 0 = greedy
-    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
-    # held-out accuracy inside training every N steps (eval/periodic.py, on the learner's main
-    # rank; logged as eval/accuracy), 0 = only before and after training
-    every_steps: int = 0
-
-    def check(self) -> list[tuple[str, str]]:
-        errs: list[tuple[str, str]] = []
-        if self.num_problems < 0:
-            errs.append(("num_problems", "must be >= 0 (0: no evaluation)"))
-        if self.samples_per_problem < 1:
-            errs.append(("samples_per_problem", "must be >= 1"))
-        if self.temperature < 0:
-            errs.append(("temperature", "must be >= 0"))
-        if self.every_steps < 0:
-            errs.append(("every_steps", "must be >= 0 (0: no evaluation during training)"))
-        elif self.every_steps > 0 and self.num_problems == 0:
-            errs.append(("every_steps", "needs eval.num_problems > 0 (the problems it evaluates on)"))
-        return errs
 
 
 @dataclass

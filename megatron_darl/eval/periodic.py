@@ -23,8 +23,8 @@ do keep generating while the learner evaluates (up to the staleness bound), so a
 frequent evaluations waits a little less for data afterwards: `eval/wall_s` slightly flatters
 asynchronous runs, by at most the summed `perf/eval_s`. Models too large to hold a second fp32
 copy beside the learner should evaluate saved checkpoints with `darl-eval` instead.
-What it is not: the launcher's before/after evaluation through the engines (`session.py`) or
-the scores' maths (`runner.py`).
+What it is not: the launcher's before/after evaluation through the engines (`heldout.py`) or
+the scores' maths (`scoring.py`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from megatron_darl.config import RunConfig
-from megatron_darl.eval.runner import ProblemScores, aevaluate
-from megatron_darl.rollout.api import GenerateRequest, GenerateResponse
-from megatron_darl.rollout.decoder import Decoder, Sequence
+from megatron_darl.engine.decoder import Decoder, Sequence
+from megatron_darl.eval.scoring import ProblemScores, aevaluate
+from megatron_darl.types import GenerateRequest, GenerateResponse
 
 
 class DecoderEngine:
@@ -91,7 +91,7 @@ class PeriodicEvaluator:
 
     def __init__(self, cfg: RunConfig, device: str | None = None):
         from megatron_darl.data.tokenizers import load_tokenizer
-        from megatron_darl.eval.session import eval_prompts, stop_ids
+        from megatron_darl.eval.heldout import eval_prompts, stop_ids
 
         if cfg.eval.every_steps <= 0 or cfg.eval.num_problems <= 0:
             raise ValueError(f"PeriodicEvaluator: eval.every_steps={cfg.eval.every_steps} and eval.num_problems="
@@ -133,7 +133,7 @@ class PeriodicEvaluator:
 
     def evaluate_folder(self, folder: str) -> ProblemScores:
         """Scores of the HF model folder `folder` on the held-out problems."""
-        from megatron_darl.rollout.rewards.pool import RewardPool
+        from megatron_darl.rewards.pool import RewardPool
 
         if self.engine is None:
             self.engine = DecoderEngine(Decoder(folder, device=self.device,

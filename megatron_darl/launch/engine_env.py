@@ -8,7 +8,7 @@ than the client speaks, an NVIDIA driver older than the CUDA its torch is built 
 0.5.23 is a CUDA 13 stack: torch 2.14.1, flashinfer cu13, cuda-python >= 13, so driver >= 580),
 or a `torch.cuda.init()` that fails. Found here it is one line in the engine host's error; found
 by 8 servers it is 8 tracebacks after the startup timeout.
-What it is not: the engine command (`rollout/engine_command.py`) or the engine host.
+What it is not: the engine command (`engine/command.py`) or the engine host.
 """
 
 from __future__ import annotations

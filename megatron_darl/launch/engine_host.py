@@ -4,7 +4,7 @@ What it is: `EngineHost` and its entry, `python -m megatron_darl.launch.engine_h
 <run_dir>/run_info.json` (one per rollout node on Slurm, one beside the learners on a local
 run). It waits for the run-info record of its attempt, checks that it can read the run's
 weights folder (a rollout node that cannot read it says so and stops the run), starts the
-node's engines through the one engine command builder (`rollout/engine_command.py`; darl-engine
+node's engines through the one engine command builder (`engine/command.py`; darl-engine
 on CPU, `python -m sglang.launch_server` per `launch.engine_gpus` GPUs), each in its own
 process group with its log in `<run_dir>/logs/engine<i>.log`, and announces each engine once it
 answers /health_generate. Then it keeps them: an engine that exits, or that the rollout manager
@@ -28,13 +28,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from megatron_darl.channel.announcements import EngineAnnouncement, announce, read_restart_request, stop_path
+from megatron_darl.channel.json_files import write_json_atomic
+from megatron_darl.channel.ports import free_port
+from megatron_darl.channel.run_info import RunInfo, read_marker, wait_for_run_info, write_marker
+from megatron_darl.engine.command import EngineSpec, engine_specs
 from megatron_darl.launch.engine_env import check_sglang_python, engine_python
-from megatron_darl.launch.local import Child, Supervisor, _signal_group
-from megatron_darl.rollout.engine_command import (
-    EngineAnnouncement, EngineSpec, announce, engine_specs, read_restart_request, stop_path,
-)
-from megatron_darl.rollout.weight_notice import write_json_atomic
-from megatron_darl.run_info import RunInfo, read_marker, wait_for_run_info, write_marker
+from megatron_darl.launch.supervisor import Child, Supervisor, _signal_group
 
 PROBE = ".probe"  # in the weights folder: the session writes the attempt id, every host reads it back
 QUICK_DEATH_S = 30.0  # an engine that dies this soon after its start, RESTART_LIMIT times in a row, is broken
@@ -90,11 +90,6 @@ def bind_address(address: str) -> str:
     except ValueError:
         return "0.0.0.0"
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def healthy(url: str, api_key: str | None = None) -> bool:

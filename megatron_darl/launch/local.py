@@ -1,168 +1,143 @@
-"""Local launcher: start a run's processes on this machine, stream their logs, tear all down.
+"""The placement of a run on this one machine.
 
-What it is: `Supervisor`, which starts child processes (learner ranks, engines, the rollout
-manager) each in its own process group with a parent-death signal, prefixes and tees their
-output (`[engine0] ...` on the console, `<run_dir>/logs/engine0.log` on disk), waits for them,
-and on exit, Ctrl-C, SIGTERM or the failure of any one child stops every other child (SIGTERM,
-then SIGKILL after a grace period) and runs the registered cleanups (shared-memory unlink).
-A crashed child is reported by name and exit code (`ChildFailed`).
-What it is not: the training loop, or what runs where (`runner.py`, `slurm_job.py`).
+What it is: `run_local(cfg)`, what `darl-train` (and `darl-launch`) runs with
+`launch.mode=local` (`launch.mode=slurm` goes to `slurm.run_slurm`, which places the same roles
+through `slurm_job.py`, built on this module). `LocalPlacement`: every role a child process of
+this one under a `Supervisor` (own process group, `[role]`-prefixed console output, `<run_dir>/logs/<role>.log`):
+an engine host for the embedded engines, the rollout manager, and `launch.learner_procs_per_node`
+learner ranks with a torchrun-style environment (gloo on CPU).
+What it is not: the session's steps (`session.py`), supervision itself (`supervisor.py`), or
+anything a role does; the trainer is named only as a module to run (`TRAINER_MODULE`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, TextIO
 
-PR_SET_PDEATHSIG = 1
+from megatron_darl.channel.run_info import RunInfo
+from megatron_darl.config import RunConfig
+from megatron_darl.launch.supervisor import Child, ChildFailed, Supervisor
 
-
-def _die_with_parent(ignore: tuple[signal.Signals, ...] = ()) -> None:  # in the child between fork and exec
-    os.setsid()  # own process group: the supervisor kills the whole tree of a child
-    for sig in ignore:  # SIG_IGN survives exec: the child is safe from them until it installs handlers
-        signal.signal(sig, signal.SIG_IGN)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux/glibc: children then rely on the supervisor's teardown
-        pass
+PY = sys.executable
+TRAINER_MODULE = "megatron_darl.trainer"  # one learner rank: python -m TRAINER_MODULE --run-info PATH
+MANAGER_MODULE = "megatron_darl.rollout"
+ENGINE_HOST_MODULE = "megatron_darl.launch.engine_host"
 
 
-class ChildFailed(RuntimeError):
-    """A child process exited with a non-zero code while the run was going."""
+def learner_env(rank: int, world: int, info: RunInfo, local_rank: int | None = None,
+                local_world: int | None = None, threads: int = 1) -> dict[str, str]:
+    """The torchrun-style environment of learner rank `rank`. MASTER_PORT=0: rank 0 binds a port
+    when it starts and publishes it in `info.rendezvous_file` (learner/parallel.py)."""
+    from megatron_darl.learner.parallel import RENDEZVOUS_ENV
 
-    def __init__(self, role: str, code: int):
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        super().__init__(f"process {role!r} stopped with {how}; the whole run was stopped")
-        self.role, self.code = role, code
-
-
-@dataclass
-class Child:
-    role: str
-    proc: subprocess.Popen
-    log_path: str
-    essential: bool = True  # its exit (even with code 0) ends the run when `until` is not it
-    critical: bool = True  # its failure (non-zero exit) ends the run; False: another process replaces it
-    _pump: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
+            "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port),
+            RENDEZVOUS_ENV: info.rendezvous_file, "OMP_NUM_THREADS": str(threads)}
 
 
-@dataclass
-class Supervisor:
-    """Owns every child of a run; use as a context manager so teardown always happens."""
+class LocalPlacement:
+    """Every role on this machine, as children of this process."""
 
-    log_dir: str
-    echo: TextIO | None = field(default_factory=lambda: sys.stdout)  # None: logs to files only
-    grace_s: float = 10.0
-    children: list[Child] = field(default_factory=list)
-    _cleanups: list[Callable[[], None]] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, cfg: RunConfig, sup: Supervisor):
+        self.cfg, self.sup = cfg, sup
+        self.attempt = ""  # the session's run id
+        self.learners: list[Child] = []
 
-    def __enter__(self) -> "Supervisor":
-        os.makedirs(self.log_dir, exist_ok=True)
-        return self
+    def rendezvous(self) -> tuple[str, int]:
+        return "127.0.0.1", 0  # learner rank 0 binds the port itself
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def start_engines(self, info: RunInfo) -> None:
+        if info.engine_urls:  # SGLang servers someone else runs
+            return
+        if self.cfg.rollout.backend == "sglang":
+            raise ValueError("rollout.backend=sglang on a local run needs rollout.engine_urls "
+                             "(or launch.mode=slurm, which starts SGLang servers on the rollout nodes)")
+        # critical, not essential: it restarts engines itself and exits only when stopped
+        self.sup.start("engines", [PY, "-m", ENGINE_HOST_MODULE, "--run-info", info.path, "--attempt", info.attempt,
+                                   "--address", "127.0.0.1"], env={"OMP_NUM_THREADS": "1"}, essential=False)
 
-    def on_shutdown(self, fn: Callable[[], None]) -> None:
-        """Register a cleanup (e.g. unlink a shared-memory segment) run after children stop."""
-        self._cleanups.append(fn)
+    def start_rollout(self, info: RunInfo) -> None:
+        # not essential: it exits 0 by itself when the learner says stop; a crash still stops the run
+        self.sup.start("rollout", [PY, "-m", MANAGER_MODULE, "--run-info", info.path],
+                       env={"OMP_NUM_THREADS": "1"}, essential=False)
 
-    def start(self, role: str, argv: list[str], env: dict[str, str] | None = None,
-              essential: bool = True, critical: bool = True, cwd: str | None = None,
-              ignore: tuple[signal.Signals, ...] = ()) -> Child:
-        """Start `argv` as child `role`; `ignore`: signals it starts with ignored (SIG_IGN)."""
-        log_path = os.path.join(self.log_dir, f"{role}.log")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=full_env, cwd=cwd, preexec_fn=lambda: _die_with_parent(ignore), text=True, errors="replace",
-        )
-        child = Child(role, proc, log_path, essential, critical)
-        child._pump = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{role}")
-        child._pump.start()
-        self.children.append(child)
-        return child
+    def start_learners(self, info: RunInfo) -> None:
+        world = info.learner_world
+        self.learners = [self.sup.start(f"learner{r}", [PY, "-m", TRAINER_MODULE, "--run-info", info.path],
+                                        env=learner_env(r, world, info))
+                         for r in range(world)]
 
-    def _pump(self, child: Child) -> None:
-        """Copy a child's output to its log file and, prefixed with its role, to the console."""
-        assert child.proc.stdout is not None
-        with open(child.log_path, "a", encoding="utf-8") as log:
-            for line in child.proc.stdout:
-                log.write(line)
-                log.flush()
-                if self.echo is not None:
-                    with self._lock:
-                        self.echo.write(f"[{child.role}] {line}")
-                        self.echo.flush()
+    def wait_learners(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if all(c.poll() == 0 for c in self.learners):
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
 
-    def check(self, until: Child | None = None) -> None:
-        """Raise ChildFailed if a critical child failed (non-zero) or an essential one exited."""
-        for c in self.children:
+    def check(self) -> None:
+        """A learner that finished is fine; any child that failed, or another essential one that
+        exited, stops the run."""
+        for c in self.sup.children:
             code = c.poll()
-            if code is None or c is until:
+            if code is None or (c in self.learners and code == 0):
                 continue
             if (code != 0 and c.critical) or c.essential:
                 raise ChildFailed(c.role, code)
 
-    def wait(self, until: Child, poll_s: float = 0.2, timeout_s: float | None = None) -> int:
-        """Block until `until` exits (returning its code) while watching every other child."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            code = until.poll()
-            if code is not None:
-                if code != 0:
-                    raise ChildFailed(until.role, code)
-                return code
-            self.check(until)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{until.role!r} did not finish within {timeout_s} s")
-            time.sleep(poll_s)
+    def preempt(self, signum: int) -> None:
+        for c in self.learners:
+            if c.poll() is None:
+                os.kill(c.pid, signum)
 
-    def shutdown(self) -> None:
-        """Stop every child (SIGINT to its group, SIGKILL after the grace period), then clean up.
-        SIGINT, not SIGTERM: learner ranks take SIGTERM as preemption and would checkpoint first."""
-        live = [c for c in self.children if c.poll() is None]
-        for c in live:
-            _signal_group(c.pid, signal.SIGINT)
-        deadline = time.monotonic() + self.grace_s
-        for c in live:
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for c in self.children:  # the group may hold grandchildren even when the leader exited
-            _signal_group(c.pid, signal.SIGKILL)
-            try:
-                c.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            if c._pump is not None:
-                c._pump.join(timeout=2)
-        for fn in reversed(self._cleanups):
-            try:
-                fn()
-            except Exception as exc:  # cleanup must go on for the others
-                print(f"[launcher] cleanup failed: {exc}", file=sys.stderr)
-        self._cleanups.clear()
+    def stop(self, info: RunInfo | None) -> None:
+        self.sup.shutdown()  # engine host and engines included; then the cleanups below
+        if info is None:
+            return
+        from megatron_darl.channel.shm_ring import segment_path
+
+        path = segment_path(info.ring)
+        if os.path.exists(path):
+            os.unlink(path)
+        if info.weights_root.startswith("/dev/shm/"):  # shm, or distributed fallbacks
+            shutil.rmtree(info.weights_root, ignore_errors=True)
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def start_local_engines(cfg: RunConfig, sup: Supervisor) -> list[str]:
+    """`rollout.num_engines` embedded engines on `cfg.model.hf_dir` as children of `sup`, once they
+    answer /health_generate (darl-eval's engines; a training run's come from its engine host)."""
+    from megatron_darl.channel.ports import free_port
+    from megatron_darl.engine.command import engine_specs
+    from megatron_darl.launch.engine_host import wait_healthy
+
+    started = []
+    for spec in engine_specs(cfg, list(range(cfg.rollout.num_engines))):
+        port = free_port("127.0.0.1")
+        child = sup.start(f"engine{spec.index}", spec.command("127.0.0.1", port), env=spec.env(("127.0.0.1",)))
+        started.append((f"http://127.0.0.1:{port}", child))
+    for i, (url, child) in enumerate(started):
+        wait_healthy(url, child, cfg.launch.engine_startup_s(cfg.rollout.backend), cfg.rollout.api_key, f"engine {i}")
+    return [url for url, _ in started]
+
+
+def run_local(cfg: RunConfig) -> int:
+    """`darl-train` on one machine; returns the exit code."""
+    from megatron_darl.launch.session import PREEMPT_SIGNALS, RunSession
+
+    with Supervisor(os.path.join(os.path.abspath(cfg.train.run_dir), "logs")) as sup:
+        placement = LocalPlacement(cfg, sup)
+        session = RunSession(cfg, placement)
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, session.preempt)
+        try:
+            return session.run()
+        finally:
+            for sig in PREEMPT_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)

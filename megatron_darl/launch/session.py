@@ -27,13 +27,13 @@ import time
 import uuid
 from typing import Any
 
+from megatron_darl.channel.announcements import read_announcements, stop_path
+from megatron_darl.channel.json_files import read_json
+from megatron_darl.channel.run_info import RunInfo, read_marker, write_marker
 from megatron_darl.config import RunConfig, save_resolved
 from megatron_darl.launch.api import Placement
 from megatron_darl.launch.engine_host import host_error_path, host_starting_path, probe_path
-from megatron_darl.resume import load_rollout_state, resolve_resume, rollout_sidecar
-from megatron_darl.rollout.engine_command import read_announcements, stop_path
-from megatron_darl.rollout.weight_notice import read_json
-from megatron_darl.run_info import RunInfo, read_marker, write_marker
+from megatron_darl.trainer.checkpoints import load_rollout_state, resolve_resume, rollout_sidecar
 
 STALE_RUN = re.compile(r"^darl-([0-9a-f]{10})-(ring|weights)$")
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -47,7 +47,7 @@ def sweep_stale_runs(directory: str = "/dev/shm", min_age_s: float = 60.0) -> li
     """Remove the shared memory of runs whose processes are all gone (a SIGKILLed launcher
     cannot clean up after itself): a ring whose creator died, and weight folders of a run
     whose ring is gone. Entries younger than `min_age_s` are left alone (a run starting now)."""
-    from megatron_darl.replay.shm_ring import remove_if_stale
+    from megatron_darl.channel.shm_ring import remove_if_stale
 
     if not os.path.isdir(directory):
         return []
@@ -77,7 +77,7 @@ def make_run_info(cfg: RunConfig, run_id: str, attempt: str, addr: str, port: in
     folder_kind = ("shm" if local_shm else "disk") if kind == "distributed" else kind
     return RunInfo(
         run_id=run_id, attempt=attempt, run_dir=run_dir, config=os.path.join(run_dir, "config.yaml"),
-        ring=cfg.replay.ring_name or f"darl-{run_id}-ring",
+        ring=cfg.ring.name or f"darl-{run_id}-ring",
         notice=os.path.join(run_dir, "rollout", "notice.json"), status=os.path.join(run_dir, "rollout", "status.json"),
         weights_root=f"/dev/shm/darl-{run_id}-weights" if folder_kind == "shm" else os.path.join(run_dir, "weights"),
         weights_kind=kind, final_model=os.path.join(run_dir, "final_model"),
@@ -146,7 +146,7 @@ class RunSession:
             self.placement.stop(self.info)
 
     def _run(self) -> int:
-        from megatron_darl import warmstart
+        from megatron_darl.launch import warmstart
 
         for path in sweep_stale_runs():
             self.log(f"removed shared memory of a dead run: {path}")
@@ -277,7 +277,7 @@ class RunSession:
 
     def _evaluate(self, label: str, final: str | None = None):
         """Held-out accuracy on the engines' addresses now (a restarted engine moved)."""
-        from megatron_darl.eval.session import evaluate_with_engines
+        from megatron_darl.eval.heldout import evaluate_with_engines
 
         try:
             scores, line = evaluate_with_engines(self.cfg, self.engine_urls(self.info), label, final_model=final)
@@ -295,7 +295,7 @@ class RunSession:
                                    "metrics": os.path.join(info.run_dir, "metrics.jsonl"),
                                    "final_model": info.final_model}
         if before is not None and after is not None:
-            from megatron_darl.eval.runner import paired_difference
+            from megatron_darl.eval.scoring import paired_difference
 
             gain, lo, hi = paired_difference(before, after)
             summary.update({"accuracy_before": float(before.scores.mean()),

@@ -26,7 +26,7 @@ from pathlib import Path
 import submitit
 
 from megatron_darl.config import RunConfig
-from megatron_darl.launch.api import SlurmNodes
+from megatron_darl.config.launch import SlurmNodes
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
           "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
+from megatron_darl.channel.announcements import stop_path
+from megatron_darl.channel.run_info import RunInfo, read_marker, run_info_path, wait_for_run_info
 from megatron_darl.config import ConfigError, RunConfig, load_config
 from megatron_darl.launch.engine_host import node_address, slurm_attempt
-from megatron_darl.launch.local import ChildFailed, Supervisor
-from megatron_darl.launch.runner import ENGINE_HOST_MODULE, PY, TRAINER_MODULE, LocalPlacement, learner_env
-from megatron_darl.preflight import preflight
-from megatron_darl.rollout.engine_command import stop_path
-from megatron_darl.run_info import RunInfo, read_marker, run_info_path, wait_for_run_info
+from megatron_darl.launch.local import ENGINE_HOST_MODULE, PY, TRAINER_MODULE, LocalPlacement, learner_env
+from megatron_darl.launch.preflight import preflight
+from megatron_darl.launch.supervisor import ChildFailed, Supervisor
 
 QUIET = (signal.SIGUSR1, signal.SIGUSR2)  # learners start with these ignored until their handlers are in
 

@@ -47,7 +47,7 @@ def _save_kind(learner) -> str:
 
 
 def _saved_kind(meta: dict) -> str:
-    """The format a checkpoint was written in (before it was recorded: the old rule)."""
+    """The format a checkpoint was written in (one that does not record it: the rule that wrote it)."""
     from megatron.core.optimizer import distrib_optimizer
 
     old = "fully_reshardable" if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False) else "dp_reshardable"

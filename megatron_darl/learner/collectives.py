@@ -70,8 +70,8 @@ class StoreSync:
     """Waits of the other learner ranks for the main rank, outside any collective.
 
     While the main rank waits for rollouts (a first batch of long responses can take longer
-    than the process group's 600 s) or evaluates, the others used to wait inside a broadcast or
-    an all-reduce, and NCCL's watchdog killed the job at the group's timeout. Here they poll keys
+    than the process group's 600 s) or evaluates, the others must not wait inside a broadcast or
+    an all-reduce: NCCL's watchdog would kill the job at the group's timeout. Here they poll keys
     of the default group's store (the TCPStore learner rank 0 serves) and check `alive` about
     once a second. Every rank makes the same calls in the same order (one counter names the
     keys); rank 0 deletes the keys of calls that every rank is past."""

@@ -6,7 +6,7 @@ groups, builds and loads the model, and exposes recompute (`compute_logprobs`), 
 the per-version recompute against kept snapshots (`compute_version_logprobs`). All methods
 are collective: every rank calls them in the same order; rank 0 (`is_main`) owns the batches
 and the results.
-What it is not: the async loop (train.py) or the loss maths (algo/).
+What it is not: the async loop (trainer/loop.py) or the loss maths (algo/).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_darl.algo.config import AlgoConfig
+from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
 from megatron_darl.learner import checkpoint, model, weights
-from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
 from megatron_darl.learner.collectives import broadcast_arrays
 from megatron_darl.learner.logprobs import config_multiple, run_schedule
 from megatron_darl.learner.packing import pad_batch, rank_micro_batches
@@ -45,16 +46,13 @@ class MegatronLearner:
     """Megatron-Core learner ranks for one Qwen3-family model (see `Learner` in api.py)."""
 
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, optim_cfg: OptimConfig,
-                 learner_cfg: LearnerConfig, algo_cfg: AlgorithmConfig, temperature: float = 1.0, seed: int = 0,
-                 pmis: str = "ess", balance_snapshots: str = "auto", replay_k: int = 4):
-        """`balance_snapshots` / `replay_k`: `replay.balance_snapshots` and `replay.k`, read for
-        `pmis="balance"` only (see `balance_mode`)."""
+                 learner_cfg: LearnerConfig, algo_cfg: AlgoConfig, temperature: float = 1.0, seed: int = 0):
+        """`temperature`: the rollout's (`rollout.temperature`), under which log-probs are taken."""
         for section, cfg in (("model", model_cfg), ("parallel", parallel_cfg), ("optim", optim_cfg),
-                             ("learner", learner_cfg), ("algorithm", algo_cfg)):
+                             ("learner", learner_cfg), ("algo", algo_cfg)):
             _check(section, cfg)
-        if pmis not in ("ess", "tokens", "balance"):
-            raise ValueError(f"pmis={pmis!r}: the learner computes D-ARL's beta_k as ess, tokens or balance")
-        self.pmis = pmis  # replay.pmis_beta (tokens when replay.pmis is false); used by policy_loss=darl
+        pmis = algo_cfg.effective_pmis_beta
+        self.pmis = pmis  # algo.pmis_beta (tokens when algo.pmis is false); used by policy_loss=darl
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model_cfg, self.parallel_cfg, self.optim_cfg = model_cfg, parallel_cfg, optim_cfg
@@ -75,8 +73,8 @@ class MegatronLearner:
         self.num_params, param_bytes = self._count_params()
         # balance: "exact" keeps the K previous versions' weights (CPU) and rescores with them;
         # "interpolate" approximates log mu_k from b and p; None for the other beta_k rules
-        self.balance_mode = choose_mode(balance_snapshots, replay_k, param_bytes) if pmis == "balance" else None
-        self.snapshots = PolicySnapshots([p for c in self.chunks for p in c.parameters()], replay_k) \
+        self.balance_mode = choose_mode(algo_cfg.balance_snapshots, algo_cfg.k, param_bytes) if pmis == "balance" else None
+        self.snapshots = PolicySnapshots([p for c in self.chunks for p in c.parameters()], algo_cfg.k) \
             if self.balance_mode == "exact" else None
 
     # ---- protocol ----

@@ -4,7 +4,7 @@ What it is: `plan_run(cfg, hf)` estimates, for the worst pipeline stage of a rec
 of parameters, gradients, optimizer states, activations of the micro-batches in flight, the
 log-prob head's logits, the forward-only recompute pass, the co-located engines' share and a
 runtime allowance; `MemoryPlan.format()` prints it (`darl-train --plan`) and `refusal()` names
-the single changes that would make a recipe fit. `learner_preflight` refuses a GPU recipe that
+the single changes that would make a recipe fit. `learner_checks` refuses a GPU recipe that
 does not fit before anything starts.
 What it is not: a measurement. Parameter, gradient and optimizer bytes are exact counts of what
 Megatron allocates (a test compares them with a real CPU model); activations follow Korthikanti

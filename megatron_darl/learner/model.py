@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint_tools.adapters import ArchFamily, family_of, get_adapter, padded_vocab_size
-from megatron_darl.learner.api import ModelConfig, ParallelConfig
+from megatron_darl.config.learner import ModelConfig, ParallelConfig
 
 _FP8_MIN_TE = {"delayed": "1.0.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0", "mxfp8": "2.1.0"}
 _FP8_MIN_SM = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}

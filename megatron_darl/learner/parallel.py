@@ -18,7 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_darl.learner.api import ParallelConfig
+from megatron_darl.channel.ports import free_port
+from megatron_darl.config.learner import ParallelConfig
 from megatron_darl.learner import cpu_compat
 
 RENDEZVOUS_ENV = "DARL_RENDEZVOUS_FILE"  # where learner rank 0 publishes the port it bound (MASTER_PORT=0)
@@ -132,7 +133,7 @@ def init_world(backend: str, timeout_s: float) -> None:
     picked by the launcher long before rank 0 binds it can be taken meanwhile on a busy node."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     timeout = timedelta(seconds=timeout_s)
     path = os.environ.get(RENDEZVOUS_ENV)
     if not path or os.environ.get("MASTER_PORT", "0") != "0":
@@ -179,10 +180,3 @@ def destroy_parallel(keep_world: bool = False) -> None:
     if dist.is_initialized() and not keep_world:
         dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

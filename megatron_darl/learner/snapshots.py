@@ -4,7 +4,7 @@ What it is: `PolicySnapshots`, which keeps a CPU copy of this rank's local param
 policy version (the weights published as version v are those after v train steps; version 0
 is the initial weights), drops versions that left the replay window, and swaps a version's
 copy into the live parameters for a no-grad recompute (`swapped`), restoring the current
-values bit for bit afterwards. `choose_mode` resolves `replay.balance_snapshots=auto`.
+values bit for bit afterwards. `choose_mode` resolves `algo.balance_snapshots=auto`.
 What it is not: the recompute itself (`MegatronLearner.compute_version_logprobs`) or the
 balance maths (`algo.balance_weights`, `algo.interpolate_version_logp`).
 
@@ -22,11 +22,11 @@ SNAPSHOT_BUDGET_BYTES = 2 << 30  # auto: exact when K copies of all parameters f
 
 
 def choose_mode(requested: str, k: int, param_bytes: int) -> str:
-    """"exact" or "interpolate" for `replay.balance_snapshots` (`param_bytes`: all ranks' parameters)."""
+    """"exact" or "interpolate" for `algo.balance_snapshots` (`param_bytes`: all ranks' parameters)."""
     if requested in ("exact", "interpolate"):
         return requested
     if requested != "auto":
-        raise ValueError(f"replay.balance_snapshots={requested!r}; allowed: exact, interpolate, auto")
+        raise ValueError(f"algo.balance_snapshots={requested!r}; allowed: exact, interpolate, auto")
     return "exact" if k * param_bytes <= SNAPSHOT_BUDGET_BYTES else "interpolate"
 
 

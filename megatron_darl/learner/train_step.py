@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_darl import algo
-from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, OptimConfig
+from megatron_darl.algo.config import AlgoConfig
+from megatron_darl.config.learner import LearnerConfig, OptimConfig
 from megatron_darl.learner.collectives import all_gather_json, broadcast_json
 from megatron_darl.learner.logprobs import run_schedule
 from megatron_darl.learner.packing import rank_micro_batches, split_minibatches
@@ -62,7 +63,7 @@ def setup_training(chunks: list, optim: OptimConfig, pg, *, on_gpu: bool):
     return ddp, optimizer, scheduler
 
 
-def minibatch_constants(algo_cfg: AlgorithmConfig, batch: TrainBatch, rows: np.ndarray,
+def minibatch_constants(algo_cfg: AlgoConfig, batch: TrainBatch, rows: np.ndarray,
                         beta: dict[int, float] | None, pmis: str = "ess",
                         prox_version: int | None = None) -> tuple[dict, dict]:
     """Quantities every micro-batch loss of `rows` needs, and their metrics (computed once).
@@ -158,21 +159,21 @@ def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Ten
     return {k: torch.where(own(k), behav, lp) for k, lp in out.items()}, (len(missing) if len(needed) > 1 else 0)
 
 
-def _weight_kwargs(a: AlgorithmConfig) -> dict:
+def _weight_kwargs(a: AlgoConfig) -> dict:
     return dict(mode=a.rollout_is_mode, threshold=a.rollout_is_threshold,
                 threshold_lower=a.rollout_is_threshold_lower, veto_threshold=a.rollout_is_veto_threshold)
 
 
-def _is_kwargs(a: AlgorithmConfig) -> dict:
+def _is_kwargs(a: AlgoConfig) -> dict:
     return dict(is_level=a.rollout_is or "token", is_mode=a.rollout_is_mode, is_threshold=a.rollout_is_threshold,
                 is_threshold_lower=a.rollout_is_threshold_lower, is_veto_threshold=a.rollout_is_veto_threshold)
 
 
-def _behav_clip(a: AlgorithmConfig) -> dict:
+def _behav_clip(a: AlgoConfig) -> dict:
     return {"behav_clip": "mask", "behav_mask_threshold": a.behav_clip} if a.behav_clip else {}
 
 
-def policy_loss(a: AlgorithmConfig, consts: dict, mb: dict, logp: torch.Tensor, entropy: torch.Tensor):
+def policy_loss(a: AlgoConfig, consts: dict, mb: dict, logp: torch.Tensor, entropy: torch.Tensor):
     """The configured algo/ loss of one micro-batch, normalised over the whole minibatch."""
     mask = mb["loss_mask"] > 0
     behav, prox, adv = mb["behav_logprobs"], mb.get("prox_logprobs"), mb["advantages"]
@@ -225,7 +226,7 @@ def reduce_head_metrics(outs: list[dict], pg, device) -> dict[str, float]:
     return broadcast_json(summed, last, pg.pp, device)
 
 
-def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmConfig, lc: LearnerConfig, *,
+def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig, lc: LearnerConfig, *,
                pg, device, temperature: float, vocab_size: int, beta: dict[int, float] | None = None,
                pmis: str = "ess", num_params: int = 0, prox_version: int | None = None,
                minibatch_seed=0) -> dict[str, float]:
@@ -270,7 +271,7 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgorithmC
     return out
 
 
-def weight_diagnostics(a: AlgorithmConfig, batch: TrainBatch, whole: dict) -> dict[str, float]:
+def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict) -> dict[str, float]:
     """ALGORITHM.md's drift diagnostics of the whole batch, from the behavior weights the
     configured loss multiplies its surrogate by (`whole`: the batch's `minibatch_constants`):
     ESS fraction, rho mean/max/p99 and token share, global and per version, KL(mu || pi_prox)

@@ -11,7 +11,7 @@ everything in flight on it and requeues those samples on other engines; a health
 engines back (restarting embedded ones through the restarter). No prompt is lost or written
 twice: a drawn prompt is in flight (and in `state_dict()`), written, or filtered or dropped
 (both counted).
-The process entry (`python -m megatron_darl.rollout.manager_process ...`) and the adapters to the real
+The process entry (`python -m megatron_darl.rollout ...`) and the adapters to the real
 ring buffer and engines are in `manager_process.py`.
 What it is not: an engine client, a reward grader, the gate's formula or the ring buffer;
 it drives them through the small protocols below (`workflow.RewardPoolScorer` adapts the
@@ -28,11 +28,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Protocol
 
-from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, RolloutConfig, RolloutEngine, SamplingParams
-from megatron_darl.rollout.weight_notice import (
-    NoticePoller, RolloutStatus, weight_version_from_json, write_json_atomic, write_status,
-)
+from megatron_darl.channel.json_files import write_json_atomic
+from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, weight_version_from_json, write_status
+from megatron_darl.config.rollout import RolloutConfig
+from megatron_darl.rollout.api import RolloutEngine
 from megatron_darl.rollout.workflow import Episode, RolloutWorkflow, SampleState
+from megatron_darl.types import GenerateRequest, GenerateResponse, SamplingParams
 from megatron_darl.types import Trajectory, WeightVersion
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class PromptProvider(Protocol):
 
 
 class AdmissionGate(Protocol):
-    """AReaL's staleness bound counted in groups (`replay.staleness.StalenessGate` has this
+    """AReaL's staleness bound counted in groups (`rollout/staleness.py`, `StalenessGate`, has this
     shape): `try_acquire` starts one group if allowed, `release` ends it (kept or not)."""
 
     def capacity(self) -> int: ...
@@ -474,7 +475,8 @@ class RolloutManager:
 
     async def _apush_distributed(self, weights: WeightVersion, slots: list[_Slot]) -> None:
         """The learner broadcasts to the paused engines (`weight_transfer.py`)."""
-        from megatron_darl.rollout.weight_transfer import TransferClient, apush_distributed
+        from megatron_darl.channel.weight_transfer import TransferClient
+        from megatron_darl.rollout.weight_push import apush_distributed
 
         if self._notice_path is None:
             raise ValueError("weight_sync=distributed needs the notice path (the learner answers beside it)")

@@ -2,13 +2,13 @@
 
 What it is: `RingSink` (the node's shared-memory ring buffer as the manager's trajectory sink),
 the two engine restarters, and `main()`, the process the launcher starts beside the ring:
-`python -m megatron_darl.rollout.manager_process --run-info <run_dir>/run_info.json`. With a run-info
+`python -m megatron_darl.rollout --run-info <run_dir>/run_info.json`. With a run-info
 record it takes everything from it (config, ring, notice and status paths, the state to resume)
 and finds its engines through their hosts' announcements: `AnnouncedEngineRestarter` waits for
 every engine, and replaces one that stopped answering by asking its host (on whatever node) and
 waiting for the new announcement. Standalone (no record: `--config --ring --weight-notice
 [--engine-url ...]`), `EmbeddedEngineRestarter` starts and replaces `darl-engine` processes
-itself. Both start engines only through `rollout/engine_command.py`, so a replacement keeps
+itself. Both start engines only through `engine/command.py`, so a replacement keeps
 every flag of the original. SIGINT stops at once; SIGTERM (Slurm's preemption, sent to every
 process of a job) keeps the manager answering the learners' checkpoint request until their
 stop notice, at most `launch.stop_timeout_s`.
@@ -25,14 +25,15 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Any, Callable
 
+from megatron_darl.channel.announcements import read_announcement, request_restart
+from megatron_darl.channel.ports import free_port
+from megatron_darl.engine.command import EngineSpec
 from megatron_darl.rollout.api import RolloutEngine
-from megatron_darl.rollout.engine_command import EngineSpec, read_announcement, request_restart
 from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.types import Trajectory
 
@@ -40,7 +41,7 @@ log = logging.getLogger("megatron_darl.rollout.manager")
 
 
 class RingSink:
-    """`TrajectorySink` over a `replay.shm_ring.ShmRing` producer handle. The G records of a
+    """`TrajectorySink` over a `channel.shm_ring.ShmRing` producer handle. The G records of a
     group are written back to back by one writer thread (the ring's flock does not order
     threads of one process, so there is exactly one); `put` blocks while the ring is full
     (backpressure from the learner), up to `put_timeout_s` (None: as long as the learner lives)."""
@@ -60,11 +61,6 @@ class RingSink:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedEngineRestarter:
@@ -92,7 +88,7 @@ class EmbeddedEngineRestarter:
     async def astart_engine(self, index: int) -> RolloutEngine:
         from megatron_darl.rollout.sglang_client import SGLangClient  # aiohttp only when used
 
-        port = _free_port(self.host)
+        port = free_port(self.host)
         spec = self.spec(index)
         log_path = os.path.join(self.log_dir, f"engine{index}.log") if self.log_dir else None
         if log_path:
@@ -184,7 +180,7 @@ class AnnouncedEngineRestarter:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_darl.rollout.manager_process",
+    p = argparse.ArgumentParser(prog="python -m megatron_darl.rollout",
                                 description="The rollout manager beside the ring buffer (started by the launcher).")
     p.add_argument("--run-info", default=None, help="<run_dir>/run_info.json: everything below comes from it")
     p.add_argument("--config", default=None, help="standalone: the run's resolved YAML config")
@@ -204,8 +200,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The config and the paths: from the run-info record, or from the standalone flags."""
+    from megatron_darl.channel.run_info import RunInfo
     from megatron_darl.config import load_config
-    from megatron_darl.run_info import RunInfo
 
     if args.run_info:
         info = RunInfo.load(args.run_info)
@@ -263,11 +259,11 @@ def _handle_signals(mgr: RolloutManager, stop_timeout_s: float) -> None:
 
 
 async def _amain(args: argparse.Namespace) -> None:
+    from megatron_darl.channel.shm_ring import ShmRing
     from megatron_darl.data.sources import build_loader
     from megatron_darl.data.tokenizers import load_tokenizer
-    from megatron_darl.replay.shm_ring import ShmRing
-    from megatron_darl.replay.staleness import StalenessGate
-    from megatron_darl.rollout.rewards.pool import RewardPool
+    from megatron_darl.rewards.pool import RewardPool
+    from megatron_darl.rollout.staleness import StalenessGate
     from megatron_darl.rollout.workflow import GroupWorkflow, RewardPoolScorer
 
     cfg, where = _settings(args)
@@ -279,7 +275,7 @@ async def _amain(args: argparse.Namespace) -> None:
     sink = RingSink(ring)
     pool = RewardPool(cfg.reward)
     scorer = RewardPoolScorer(pool, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    gate = StalenessGate(cfg.staleness.max_head_offpolicyness, cfg.train.batch_prompts, args.initial_version)
+    gate = StalenessGate(cfg.algo.max_head_offpolicyness, cfg.train.batch_prompts, args.initial_version)
     mgr = RolloutManager(rc, engines, loader, GroupWorkflow(rc, scorer, seed=cfg.train.seed), sink, gate,
                          restarter=restarter, notice_path=where["notice"], status_path=where["status"],
                          initial_version=args.initial_version)

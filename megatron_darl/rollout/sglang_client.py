@@ -7,7 +7,7 @@ connection failures and 502/503/504, the optional Bearer API key, and two clear 
 `EngineUnreachableError` (no answer after the retries, or a timeout) and `EngineHTTPError`
 (a 4xx/5xx answer), both naming URL, route and, for HTTP errors, status and body.
 What it is not: a load balancer or failure detector (the manager marks engines down), nor
-the learner side of a weight broadcast (`learner/weight_sender.py`).
+the learner side of a weight broadcast (`trainer/weight_sender.py`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 
 import aiohttp
 
+from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout import sglang_requests as rq
-from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, RolloutConfig
+from megatron_darl.types import GenerateRequest, GenerateResponse
 from megatron_darl.types import WeightVersion
 
 RETRY_STATUSES = (502, 503, 504)  # proxies and starting servers answer these; worth another try
@@ -97,7 +98,7 @@ class SGLangClient:
     async def aupdate_weights(self, weights: WeightVersion) -> None:
         """Load a published version. "disk" and "shm" are both HF folders (shm: under /dev/shm
         on this node) loaded through /update_weights_from_disk; "distributed" versions are pushed
-        by the learner's broadcast (`learner/weight_sender.py`), never through this call."""
+        by the learner's broadcast (`trainer/weight_sender.py`), never through this call."""
         if weights.kind not in ("disk", "shm"):
             raise ValueError(
                 f"SGLangClient.aupdate_weights: kind {weights.kind!r} is not a folder; a 'distributed' "

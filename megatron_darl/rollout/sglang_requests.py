@@ -6,7 +6,7 @@ read (a server that answers something else gets a `ResponseFormatError` naming t
 The transport that sends them is `sglang_client.py`; keeping them apart lets the bodies be
 tested without a server, as AReaL does.
 What it is not: a transport, or a server-side parser (the embedded engine parses in
-`engine_server.py`).
+`engine/requests.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megatron_darl.rollout.api import PAUSE_MODES, GenerateRequest, GenerateResponse
+from megatron_darl.types import PAUSE_MODES, GenerateRequest, GenerateResponse
 from megatron_darl.types import FINISH_REASONS
 
 # The SGLang release this protocol is written and tested against (setup.py's `sglang` extra

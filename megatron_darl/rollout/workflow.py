@@ -17,7 +17,8 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
-from megatron_darl.rollout.api import GenerateResponse, RolloutConfig, SamplingParams
+from megatron_darl.config.rollout import RolloutConfig
+from megatron_darl.types import GenerateResponse, SamplingParams
 from megatron_darl.types import Trajectory
 
 _SEED_MOD = 2**31 - 1  # SGLang seeds are int32-ranged
@@ -214,7 +215,7 @@ class RewardPoolScorer:
         self.decode = decode
 
     async def ascore(self, episode: Episode) -> list[float]:
-        from megatron_darl.rollout.rewards.api import RewardInput
+        from megatron_darl.rewards.api import RewardInput
 
         answer = episode.answer if isinstance(episode.answer, dict) else {"answer": episode.answer}
         items = [

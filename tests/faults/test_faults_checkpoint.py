@@ -26,8 +26,9 @@ import traceback
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_darl.resume import RunCheckpointer, rollout_sidecar
-from megatron_darl.rollout.weight_notice import RolloutStatus, read_notice, write_json_atomic, write_status
+from megatron_darl.channel.json_files import write_json_atomic
+from megatron_darl.channel.weight_notice import RolloutStatus, read_notice, write_status
+from megatron_darl.trainer.checkpoints import RunCheckpointer, rollout_sidecar
 
 
 def namespaces_refused() -> str | None:
@@ -203,7 +204,7 @@ class NamespacedRun:
                   "while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done\n"
                   f"ls -A {self.inspect} > {self.listing}\nexit $rc\n")
         argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
-                sys.executable, "-c", "from megatron_darl.cli import train; train()", "--config", run.config]
+                sys.executable, "-c", "from megatron_darl.launch.cli import train; train()", "--config", run.config]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         run.proc = subprocess.Popen(argv, stdout=run._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
@@ -216,7 +217,7 @@ class NamespacedRun:
 @needs_mounts
 @pytest.mark.timeout(300)
 def test_read_only_checkpoint_folder_is_refused_before_start(tmp_path, warm_model):
-    from e2e_harness import new_run
+    from tests.helpers.e2e import new_run
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -238,7 +239,7 @@ def test_read_only_checkpoint_folder_is_refused_before_start(tmp_path, warm_mode
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_full_disk_fails_fast_with_the_cause_and_leaves_no_partial_checkpoint(tmp_path, warm_model):
-    from e2e_harness import new_run
+    from tests.helpers.e2e import new_run
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -268,17 +269,17 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
     test_e2e_resume.py, whose checks this reuses)."""
     import signal
 
-    from e2e_harness import DarlRun, assert_nothing_left, new_run, role_pid, run_groups
+    from tests.helpers.e2e import DarlRun, assert_nothing_left, new_run, role_pid, run_groups
     from test_e2e_resume import STEPS, _resume_config, loader_sequence, newest_checkpoint
 
-    run = new_run(tmp_path, warm_model, "mgr", staleness={"max_head_offpolicyness": 1},
+    run = new_run(tmp_path, warm_model, "mgr", algo={"max_head_offpolicyness": 1},
                   train={"steps": STEPS}, checkpoint={"every_steps": 2, "keep_last": 2})
     resumed = None
     try:
         run.start()
         run.wait_for(lambda: len(run.ledger()) >= 3, 240, "3 trained steps (a checkpoint at step 2)")
         run_id, groups = run.run_info()["run_id"], run_groups(run)
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager_process"), signal.SIGKILL)
+        os.kill(role_pid(run.run_dir, "megatron_darl.rollout"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
         assert code != 0 and "process 'rollout' stopped with signal SIGKILL" in out, out[-3000:]

@@ -15,15 +15,15 @@ import os
 
 import pytest
 
-from megatron_darl.cli import train_main
 from megatron_darl.config import ConfigError, load_config, to_yaml
-from megatron_darl.preflight import preflight
+from megatron_darl.launch.cli import train_main
+from megatron_darl.launch.preflight import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "cpu_demo_darl.yaml")
 # preflight checks the ring against this machine's /dev/shm: 16 MiB fits Docker's 64 MB default
 # (.ci/restricted_pass runs these tests there)
-SMALL_RING = "replay.ring_bytes=16777216"
+SMALL_RING = "ring.size_bytes=16777216"
 
 
 @pytest.mark.parametrize("typed, value", [
@@ -54,9 +54,9 @@ def test_interpolation_and_its_escape_keep_omegaconf_semantics(tmp_path):
 
 
 def test_non_text_overrides_still_parse_as_yaml_and_errors_name_the_override(capsys):
-    cfg = load_config(DEMO, ["data.dataset_kwargs={min_terms: 3}", "replay.k=4", "data.system_prompt=null",
+    cfg = load_config(DEMO, ["data.dataset_kwargs={min_terms: 3}", "algo.k=4", "data.system_prompt=null",
                              "data.chat_template=true", "data.system_prompt=Be brief: {x}"])
-    assert cfg.data.dataset_kwargs["min_terms"] == 3 and cfg.replay.k == 4
+    assert cfg.data.dataset_kwargs["min_terms"] == 3 and cfg.algo.k == 4
     assert cfg.data.system_prompt == "Be brief: {x}"
     assert load_config(DEMO, ["data.system_prompt=~"]).data.system_prompt is None
     with pytest.raises(ConfigError, match=r"train\.run_dir"):
@@ -86,11 +86,11 @@ def write_math(path, n: int = 64) -> str:
 
 def demo_with_file(tmp_path, source: str, *extra: str):
     return load_config(DEMO, [f"data.source={source}", "data.prompt_template={question}", "data.eval_source=null",
-                              f"train.run_dir={tmp_path}/run", "train.sft_steps=3", SMALL_RING, *extra])
+                              f"train.run_dir={tmp_path}/run", "demo.sft_steps=3", SMALL_RING, *extra])
 
 
 def test_builtin_demo_model_warm_starts_on_a_jsonl_source(tmp_path):
-    from megatron_darl import warmstart
+    from megatron_darl.launch import warmstart
 
     cfg = demo_with_file(tmp_path, f"jsonl:{write_math(tmp_path / 'math.jsonl')}")
     assert preflight(cfg) == []
@@ -110,7 +110,7 @@ def test_builtin_demo_model_without_reference_answers_is_refused_before_start(tm
     custom.write_text(json.dumps({"q": "What is 1 + 1?"}) + "\n")
     cfg = demo_with_file(tmp_path, source.format(custom=custom), *extra)
     problems = preflight(cfg)
-    assert any("train.sft_steps" in p and "reference answer" in p for p in problems), problems
+    assert any("demo.sft_steps" in p and "reference answer" in p for p in problems), problems
 
 
 def test_builtin_demo_model_on_rows_its_tokenizer_cannot_encode_is_refused_before_start(tmp_path):

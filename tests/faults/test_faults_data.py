@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from megatron_darl.data.api import DataConfig
+from megatron_darl.config.data import DataConfig
 from megatron_darl.data.sources import build_loader
 
 GOOD = [("What is 2 + 3?", "#### 5"), ("Tom has 4 apples and eats 1. How many are left?", "#### 3"),
@@ -98,11 +98,11 @@ def test_demo_model_on_the_probe_file_trains_and_reports_every_dropped_row(tmp_p
     """Issue 15.5 and 15.6 end to end: `darl-train` with the built-in demo model (warm start on
     the file's answers) and the probe file finishes, its metrics count the 12 dropped rows and
     the rollout manager's log names each with file:line."""
-    from e2e_harness import DarlRun, base_config, write_config
+    from tests.helpers.e2e import DarlRun, base_config, write_config
 
     path, bad_lines = write_probe(tmp_path / "probe.jsonl")
     run_dir = str(tmp_path / "run")
-    cfg = base_config(run_dir, "builtin:tiny-qwen3", train={"steps": 2, "sft_steps": 5},
+    cfg = base_config(run_dir, "builtin:tiny-qwen3", train={"steps": 2}, demo={"sft_steps": 5},
                       data={"source": f"jsonl:{path}", "format": "gsm8k", "prompt_template": "{question}",
                             "chat_template": False, "max_prompt_tokens": 256, "eval_source": None})
     cfg["model"] = {"hf_dir": "builtin:tiny-qwen3", "tokenizer": "builtin:demo"}

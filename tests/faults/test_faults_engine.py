@@ -37,8 +37,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from megatron_darl.rollout.decoder import Decoder  # noqa: E402
-from megatron_darl.rollout.engine_server import EngineServer, engine_command  # noqa: E402
+from megatron_darl.engine.decoder import Decoder  # noqa: E402
+from megatron_darl.engine.server import EngineServer, engine_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -14,37 +14,15 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-
-from e2e_harness import (  # noqa: E402
-    SFT_STEPS, assert_nothing_left, base_config, new_run, role_pid, run_groups, write_config,
+from tests.helpers.e2e import (
+    assert_nothing_left, new_run, role_pid, run_groups,
 )
-
-
-@pytest.fixture(scope="module")
-def warm(request, tmp_path_factory) -> str:
-    """The warm-started tiny model (tests/faults' shared one when its conftest offers it)."""
-    try:
-        return request.getfixturevalue("warm_model")
-    except pytest.FixtureLookupError:
-        pass
-    from dataclasses import replace
-
-    from megatron_darl import warmstart
-    from megatron_darl.config import load_config
-
-    root = str(tmp_path_factory.mktemp("warm"))
-    cfg_dict = base_config(root, "builtin:tiny-qwen3")
-    cfg_dict["model"] = {"hf_dir": "builtin:tiny-qwen3", "tokenizer": "builtin:demo"}
-    cfg = load_config(write_config(os.path.join(root, "warm.yaml"), cfg_dict))
-    return warmstart.prepare_model(replace(cfg, train=replace(cfg.train, sft_steps=SFT_STEPS))).model.hf_dir
 
 
 def _argv(pid: int) -> list[str]:
@@ -72,10 +50,10 @@ def _replacement(run, announcement: Path, timeout_s: float) -> list[str] | None:
 
 @pytest.mark.slow  # a whole darl-train run with its evaluations
 @pytest.mark.timeout(600)
-def test_engine_killed_mid_run_the_run_still_ends_with_its_evaluation(tmp_path, warm):
+def test_engine_killed_mid_run_the_run_still_ends_with_its_evaluation(tmp_path, warm_model):
     """Fails on the launcher before the engine hosts: exit 1, no summary.json (the evaluation
     after training asked the dead engine's address)."""
-    run = new_run(tmp_path, warm, "restart", staleness={"max_head_offpolicyness": 1}, train={"steps": 10},
+    run = new_run(tmp_path, warm_model, "restart", algo={"max_head_offpolicyness": 1}, train={"steps": 10},
                   eval={"num_problems": 16}, data={"eval_size": 32},
                   rollout={"max_concurrent_per_engine": 48})
     engines = Path(run.run_dir) / "engines"
@@ -84,7 +62,7 @@ def test_engine_killed_mid_run_the_run_still_ends_with_its_evaluation(tmp_path, 
         run.wait_for(lambda: len(run.ledger()) >= 2, 300, "two trained steps")
         run_id = run.run_info()["run_id"]
         groups = run_groups(run)
-        victim = role_pid(run.run_dir, "megatron_darl.rollout.engine_server")
+        victim = role_pid(run.run_dir, "megatron_darl.engine")
         before = _argv(victim)
         os.kill(victim, signal.SIGKILL)
         after = _replacement(run, engines / "engine0.json", 300)  # its argv, read while it runs
@@ -163,11 +141,11 @@ class RejectingEngine:
 @pytest.mark.slow  # a whole darl-train run (warm start, checkpoint, stop), twice
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one_rank", "tp2"])
-def test_sigterm_while_learners_wait_for_data_checkpoints_and_stops(tmp_path, warm, ranks):
+def test_sigterm_while_learners_wait_for_data_checkpoints_and_stops(tmp_path, warm_model, ranks):
     """With two ranks the second waits for the first's word (outside any collective) while the
     first waits for data: it must learn of the preemption there and take part in the checkpoint."""
     with RejectingEngine() as engine:
-        run = new_run(tmp_path, warm, "starved", rollout={"backend": "sglang", "engine_urls": [engine.url]},
+        run = new_run(tmp_path, warm_model, "starved", rollout={"backend": "sglang", "engine_urls": [engine.url]},
                       train={"steps": 20}, checkpoint={"every_steps": 0}, parallel={"tp": ranks},
                       launch={"learner_procs_per_node": ranks})
         notice = Path(run.run_dir) / "rollout" / "notice.json"

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from megatron_darl.resume import RunCheckpointer
-from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, RolloutConfig
+from megatron_darl.channel.weight_notice import RolloutStatus, WeightNotice, publish_notice, read_status, write_status
+from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.manager import RolloutManager
-from megatron_darl.rollout.weight_notice import RolloutStatus, WeightNotice, publish_notice, read_status, write_status
 from megatron_darl.rollout.workflow import GroupWorkflow
+from megatron_darl.trainer.checkpoints import RunCheckpointer
+from megatron_darl.types import GenerateRequest, GenerateResponse
 from megatron_darl.types import WeightVersion
 
 

@@ -22,7 +22,7 @@ import tempfile
 
 import pytest
 
-from sandbox_ready import needs_sandbox
+from tests.helpers.sandbox import needs_sandbox
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -51,7 +51,7 @@ print("prefix", sys.prefix)
 
 DRIVER = """
 import json, sys
-from megatron_darl.rollout.rewards.sandbox import SandboxLimits, run_sandboxed
+from megatron_darl.rewards.sandbox import SandboxLimits, run_sandboxed
 program, out = sys.argv[1:3]
 r = run_sandboxed(open(program).read(), "", SandboxLimits(cpu_s=10, wall_s=60, memory_mb=1024, max_procs=16))
 json.dump({"status": r.status, "isolation": list(r.isolation), "stdout": r.stdout, "stderr": r.stderr}, open(out, "w"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_darl.publication import Publisher
-from megatron_darl.rollout.weight_notice import read_notice
+from megatron_darl.channel.ports import free_port
+from megatron_darl.channel.weight_notice import read_notice
+from megatron_darl.trainer.publication import Publisher
+from tests.helpers import repo_env
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 class ExportingLearner:
@@ -122,11 +121,10 @@ def test_distributed_stages_only_finite_versions_and_writes_no_file(tmp_path, ba
 
 REAL = r"""
 import json, sys
-sys.path.insert(0, sys.argv[3])
 import torch
-from learner_worker import make_learner, tiny_qwen3
-from megatron_darl.publication import Publisher
-from megatron_darl.rollout.weight_notice import read_notice
+from megatron_darl.channel.weight_notice import read_notice
+from megatron_darl.trainer.publication import Publisher
+from tests.helpers.learner_worker import make_learner, tiny_qwen3
 work = sys.argv[1]
 learner = make_learner(tiny_qwen3(work + "/hf"), 1, 1)
 pub = Publisher(learner, work + "/weights", work + "/notice.json", work + "/status.json", "disk")
@@ -149,14 +147,10 @@ json.dump(out, open(sys.argv[2], "w"))
 def test_real_learner_with_a_nan_parameter_does_not_publish(tmp_path):
     script, result = tmp_path / "real.py", tmp_path / "result.json"
     script.write_text(REAL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), REPO) if p)
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(result),
-                           os.path.join(REPO, "tests", "unit", "learner")],
+    port = free_port()
+    env = repo_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(result)],
                           env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(result.read_text())

@@ -62,7 +62,7 @@ def check_outputs(out: str, stdout: str) -> dict:
         with open(os.path.join(out, "runs", name, "metrics.jsonl")) as fh:
             rows = [json.loads(line) for line in fh]
         assert [r["eval/version"] for r in rows if "eval/accuracy" in r] == [2.0, 4.0]
-        # the quick size paces the learner (train.min_step_s=0.5): no step is shorter
+        # the quick size paces the learner (demo.min_step_s=0.5): no step is shorter
         assert all(r["perf/step_s"] >= 0.5 and r["perf/pace_s"] >= 0.0 for r in rows)
     return last
 

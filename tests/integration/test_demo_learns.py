@@ -18,16 +18,17 @@ import statistics
 import pytest
 import yaml
 
-from e2e_harness import DarlRun, assert_nothing_left, write_config
+from tests.helpers.e2e import DarlRun, assert_nothing_left, write_config
 
-from megatron_darl.warmstart import read_stats
+from megatron_darl.launch.warmstart import read_stats
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_demo_darl.yaml")
 REDUCED = {
     "data": {"dataset_kwargs": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
              "size": 20000, "eval_size": 200},
     "eval": {"num_problems": 200},
-    "train": {"steps": 80, "batch_prompts": 32, "sft_steps": 150, "sft_target": 0.3},
+    "train": {"steps": 80, "batch_prompts": 32},
+    "demo": {"sft_steps": 150, "sft_target": 0.3},
     "checkpoint": {"every_steps": 0},
     "logging": {"progress": False, "tensorboard": False},
 }

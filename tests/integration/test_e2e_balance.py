@@ -1,4 +1,4 @@
-"""`replay.pmis_beta=balance` end to end: a real `darl-train` run (embedded engine, replay window
+"""`algo.pmis_beta=balance` end to end: a real `darl-train` run (embedded engine, replay window
 K=2, staleness 1, selection admitting stale groups) trains batches that mix behavior versions
 with exact kept snapshots, says so at start, and flags every step's weights as exact."""
 
@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_harness import assert_nothing_left, new_run
+from tests.helpers.e2e import assert_nothing_left, new_run
 
-BALANCE = {"staleness": {"max_head_offpolicyness": 1},
-           "replay": {"enable": True, "k": 2, "sg": True, "sg_quantile": 1.0, "warmup": 0, "pmis": True,
-                      "pmis_beta": "balance",
-                      "balance_snapshots": "exact"},
-           "algo": {"policy_loss": "darl", "ppo_n_minibatches": 2}}
+BALANCE = {"algo": {"max_head_offpolicyness": 1, "replay": True, "k": 2, "sg": True, "sg_quantile": 1.0, "warmup": 0,
+                    "pmis": True, "pmis_beta": "balance", "balance_snapshots": "exact", "policy_loss": "darl",
+                    "ppo_n_minibatches": 2}}
 
 
 @pytest.mark.slow  # a whole darl-train run
@@ -20,7 +18,7 @@ BALANCE = {"staleness": {"max_head_offpolicyness": 1},
 def test_balance_run_finishes_with_exact_snapshots(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "balance", **BALANCE)
     run.run_to_end(200)
-    assert "replay.balance_snapshots=exact -> exact" in run.output()
+    assert "algo.balance_snapshots=exact -> exact" in run.output()
     per_step = {m["step"]: m for m in run.metrics()}
     assert sorted(per_step) == [0, 1, 2, 3]
     for step, m in per_step.items():

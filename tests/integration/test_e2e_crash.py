@@ -14,13 +14,13 @@ import signal
 
 import pytest
 
-from e2e_harness import assert_nothing_left, group_members, new_run, role_pid, run_groups
+from tests.helpers.e2e import assert_nothing_left, group_members, new_run, role_pid, run_groups
 
 
 @pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(180)
 def test_rollout_manager_crash_stops_everything(tmp_path, warm_model):
-    run = new_run(tmp_path, warm_model, "crash", staleness={"max_head_offpolicyness": 1},
+    run = new_run(tmp_path, warm_model, "crash", algo={"max_head_offpolicyness": 1},
                   train={"steps": 50})
     try:
         run.start()
@@ -29,7 +29,7 @@ def test_rollout_manager_crash_stops_everything(tmp_path, warm_model):
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"darl-{run_id}-")], "no shared memory in use?"
         groups = run_groups(run)
         assert len(group_members(groups)) >= 4  # launcher, engine, rollout manager, learner
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout.manager_process"), signal.SIGKILL)
+        os.kill(role_pid(run.run_dir, "megatron_darl.rollout"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
         assert code != 0, out[-3000:]

@@ -2,7 +2,7 @@
 and end to end through the training loop's data path.
 
 The D-ARL side is the CPU demo recipe with those overrides, as `darl-train` hands it to the
-learner (`learner_side.learner_pmis`: `replay.pmis_beta` sets the learner's beta_k). Through
+learner (`AlgoConfig.effective_pmis_beta`: `algo.pmis_beta` sets the learner's beta_k). Through
 `MegatronLearner.train_step` (the learner's own loss dispatch, micro-batching and
 optimizer), the same batch and the same starting weights give the same `train/loss`, gradient
 norm and updated parameters for
@@ -13,7 +13,7 @@ The batch mixes three behavior versions with perturbed behavior log-probs, so th
 normalisation and the truncation both act (with one version the check would be weaker), and a
 third run with `pmis=ess` must differ: the comparison can fail.
 
-End to end (`test_k1_loop_trains_what_decoupled_trains`): `train.train_loop` itself, with the
+End to end (`test_k1_loop_trains_what_decoupled_trains`): `trainer.loop.train_loop` itself, with the
 real replay feed and store, a real learner and a scripted ring standing in for generation,
 trains the same groups in the same order with the same losses and the same final weights, and
 reports the same consumption to the staleness gate. What differs, stated and tested in
@@ -31,29 +31,29 @@ import numpy as np
 import pytest
 import torch
 
-from sync_reference import free_port
+from tests.helpers.sync_reference import free_port
 
-from megatron_darl.learner.api import AlgorithmConfig, LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+from megatron_darl.algo.config import AlgoConfig
+from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
 from megatron_darl.types import TrainBatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the D-ARL recipe with K=1, selection off, pmis_beta=tokens, token IS truncated at 2
-DARL_K1_TOKENS = ["replay.k=1", "replay.sg=false", "replay.pmis=true", "replay.pmis_beta=tokens",
+DARL_K1_TOKENS = ["algo.k=1", "algo.sg=false", "algo.pmis=true", "algo.pmis_beta=tokens",
                   "algo.policy_loss=darl", "algo.rollout_is=token", "algo.rollout_is_mode=truncate",
                   "algo.rollout_is_threshold=2.0", "algo.ppo_n_minibatches=2"]
 
 
-def loss_configs() -> tuple[AlgorithmConfig, str, AlgorithmConfig]:
+def loss_configs() -> tuple[AlgoConfig, str, AlgoConfig]:
     """(D-ARL's loss config and beta_k rule as a run hands them to the learner, verl-style
     decoupled PPO with the same other settings)."""
     from megatron_darl.config import load_config
-    from megatron_darl.learner_side import learner_pmis
 
     cfg = load_config(os.path.join(REPO, "configs", "cpu_demo_darl.yaml"), DARL_K1_TOKENS)
-    darl, pmis = cfg.algo, learner_pmis(cfg)
+    darl, pmis = cfg.algo, cfg.algo.effective_pmis_beta
     assert darl.policy_loss == "darl" and pmis == "tokens"
     decoupled = replace(darl, policy_loss="ppo", old_logprob="proximal", rollout_is="token",
-                        rollout_is_mode="truncate", rollout_is_threshold=2.0)
+                        rollout_is_mode="truncate", rollout_is_threshold=2.0, pmis=False)
     return darl, pmis, decoupled
 
 
@@ -86,13 +86,13 @@ def make_batch(vocab: int, seed: int = 0) -> TrainBatch:
                       prompt_ids=(1000 + group_index).astype(np.int64))
 
 
-def train_once(hf_dir: str, algo_cfg: AlgorithmConfig, batch: TrainBatch | None, pmis: str = "ess", seed: int = 3):
+def train_once(hf_dir: str, algo_cfg: AlgoConfig, batch: TrainBatch | None, seed: int = 3):
     """A fresh learner from `hf_dir`: (metrics, parameters after the step, batch used)."""
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     learner = MegatronLearner(ModelConfig(hf_dir=hf_dir, init="hf", dtype="fp32", spec="local"), ParallelConfig(),
                               OptimConfig(lr=1e-3, grad_clip=1.0), LearnerConfig(micro_batch_tokens=64),
-                              algo_cfg, temperature=1.0, seed=seed, pmis=pmis)
+                              algo_cfg, temperature=1.0, seed=seed)
     try:
         if batch is None:
             batch = make_batch(learner.vocab_size)
@@ -123,8 +123,8 @@ def test_darl_tokens_k1_equals_verl_decoupled(warm_model, monkeypatch):
         m_dec, p_dec, batch = train_once(warm_model, decoupled, None)
         w = np.exp(batch.prox_logprobs - batch.behav_logprobs)[batch.loss_mask > 0]
         assert (w > 2).any() and (w < 0.5).any(), "the batch must exercise the truncation"
-        m_darl, p_darl, _ = train_once(warm_model, darl, batch, pmis=pmis)
-        m_ess, p_ess, _ = train_once(warm_model, darl, batch, pmis="ess")
+        m_darl, p_darl, _ = train_once(warm_model, darl, batch)
+        m_ess, p_ess, _ = train_once(warm_model, replace(darl, pmis_beta="ess"), batch)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -140,20 +140,21 @@ def test_darl_tokens_k1_equals_verl_decoupled(warm_model, monkeypatch):
 
 
 def test_run_config_decides_the_learner_beta():
-    """`replay.pmis_beta` / `replay.pmis` reach the learner's loss (balance included); an
+    """`algo.pmis_beta` / `algo.pmis` reach the learner's loss (balance included); an
     unknown beta_k rule is refused by name."""
     from megatron_darl.config import load_config
-    from megatron_darl.learner_side import learner_pmis
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     demo = os.path.join(REPO, "configs", "cpu_demo_darl.yaml")
-    assert learner_pmis(load_config(demo, ["replay.pmis_beta=ess"])) == "ess"
-    assert learner_pmis(load_config(demo, ["replay.pmis_beta=tokens"])) == "tokens"
-    assert learner_pmis(load_config(demo, ["replay.pmis=false", "replay.pmis_beta=ess"])) == "tokens"
-    assert learner_pmis(load_config(demo, ["replay.pmis_beta=balance"])) == "balance"
+
+    def beta(*overrides: str) -> str:
+        return load_config(demo, list(overrides)).algo.effective_pmis_beta
+
+    assert beta("algo.pmis_beta=ess") == "ess" and beta("algo.pmis_beta=tokens") == "tokens"
+    assert beta("algo.pmis=false", "algo.pmis_beta=ess") == "tokens" and beta("algo.pmis_beta=balance") == "balance"
     with pytest.raises(ValueError, match="uniform"):
         MegatronLearner(ModelConfig(hf_dir="unused"), ParallelConfig(), OptimConfig(), LearnerConfig(),
-                        AlgorithmConfig(), pmis="uniform")
+                        AlgoConfig(pmis_beta="uniform"))
 
 
 class _ScriptedRing:
@@ -216,22 +217,21 @@ def _schedule(vocab: int, steps: int, batch: int, group: int, seed: int = 5) -> 
 def _run_loop(hf_dir: str, overrides: list[str], steps: int = 4, batch: int = 3, group: int = 2):
     """train_loop with the real feed, store and learner; (telemetry, publisher, parameters)."""
     from megatron_darl.config import load_config
-    from megatron_darl.learner_side import learner_pmis
     from megatron_darl.learner.megatron_learner import MegatronLearner
-    from megatron_darl.replay.feed import ReplayFeed
-    from megatron_darl.replay.store import ReplayStore
-    from megatron_darl.train import train_loop
+    from megatron_darl.trainer.feed import ReplayFeed
+    from megatron_darl.trainer.loop import Trainer, train_loop
+    from megatron_darl.trainer.replay_store import ReplayStore
 
     cfg = load_config(os.path.join(REPO, "configs", "cpu_demo_darl.yaml"),
                       overrides + [f"train.steps={steps}", f"train.batch_prompts={batch}",
                                    f"rollout.group_size={group}", "checkpoint.every_steps=0",
-                                   "staleness.max_head_offpolicyness=1"])
+                                   "algo.max_head_offpolicyness=1"])
     learner = MegatronLearner(ModelConfig(hf_dir=hf_dir, init="hf", dtype="fp32", spec="local"), ParallelConfig(),
                               OptimConfig(lr=1e-3, grad_clip=1.0), LearnerConfig(micro_batch_tokens=64),
-                              cfg.algo, temperature=1.0, seed=cfg.train.seed, pmis=learner_pmis(cfg))
+                              cfg.algo, temperature=1.0, seed=cfg.train.seed)
     try:
         ring = _ScriptedRing(_schedule(learner.vocab_size, steps, batch, group))
-        feed = ReplayFeed(ring, ReplayStore(cfg.replay, group), batch, cfg.staleness.max_head_offpolicyness)
+        feed = ReplayFeed(ring, ReplayStore(cfg.algo, group), batch, cfg.algo.max_head_offpolicyness)
         publisher, telemetry = _Publisher(ring), _Telemetry()
         waits = iter(range(10_000))
 
@@ -239,7 +239,7 @@ def _run_loop(hf_dir: str, overrides: list[str], steps: int = 4, batch: int = 3,
             if next(waits) >= 9_999:
                 raise RuntimeError("the scripted ring ran dry: the loop waits for data never scripted")
 
-        done = train_loop(cfg, learner, feed, publisher, None, telemetry, 0, alive, lambda: False)
+        done = train_loop(Trainer(cfg, learner, feed, publisher, None, telemetry, 0, alive, lambda: False))
         assert done == steps
         params = {n: p.detach().clone() for c in learner.chunks for n, p in c.named_parameters()}
         return telemetry, publisher, params
@@ -255,7 +255,7 @@ def test_k1_loop_trains_what_decoupled_trains(warm_model, monkeypatch):
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
     torch.set_num_threads(1)
-    decoupled = ["replay.enable=false", "replay.sg=false", "replay.pmis=false", "algo.policy_loss=ppo",
+    decoupled = ["algo.replay=false", "algo.sg=false", "algo.pmis=false", "algo.policy_loss=ppo",
                  "algo.old_logprob=proximal", "algo.rollout_is=token", "algo.rollout_is_mode=truncate",
                  "algo.rollout_is_threshold=2.0", "algo.ppo_n_minibatches=2"]
     try:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from e2e_harness import base_config, write_config
+from tests.helpers.e2e import base_config, write_config
 
 
 def _transformers_accuracy(cfg_path: str, model_dir: str, n: int) -> float:
@@ -19,7 +19,7 @@ def _transformers_accuracy(cfg_path: str, model_dir: str, n: int) -> float:
 
     from megatron_darl.config import load_config
     from megatron_darl.data.sources import build_loader
-    from megatron_darl.eval.session import stop_ids
+    from megatron_darl.eval.heldout import stop_ids
 
     cfg = load_config(cfg_path, [f"model.hf_dir={model_dir}", f"data.eval_size={n}"])
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -8,13 +8,13 @@ import signal
 
 import pytest
 
-from e2e_harness import DarlRun, base_config, new_run, write_config
+from tests.helpers.e2e import DarlRun, base_config, new_run, write_config
 
 
 @pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_then_resume_continues(tmp_path, warm_model):
-    run = new_run(tmp_path, warm_model, "preempt", staleness={"max_head_offpolicyness": 1}, train={"steps": 60})
+    run = new_run(tmp_path, warm_model, "preempt", algo={"max_head_offpolicyness": 1}, train={"steps": 60})
     try:
         run.start()
         run.wait_for(lambda: len(run.ledger()) >= 2, 150, "two trained steps")
@@ -31,7 +31,7 @@ def test_sigterm_checkpoints_then_resume_continues(tmp_path, warm_model):
         assert ckpts[-1] == f"step_{done:08d}", (ckpts, done)  # the final checkpoint is the last step done
     finally:
         run.kill()
-    cfg = base_config(run.run_dir, os.path.join(run.run_dir, "model"), staleness={"max_head_offpolicyness": 1},
+    cfg = base_config(run.run_dir, os.path.join(run.run_dir, "model"), algo={"max_head_offpolicyness": 1},
                       train={"steps": done + 2}, checkpoint={"every_steps": 0, "resume": "auto"})
     again = DarlRun(write_config(os.path.join(run.run_dir, "resume.yaml"), cfg), run.run_dir,
                     str(tmp_path / "resume.out"))

@@ -2,7 +2,7 @@
 staleness eta = 2 with K = 4 and a 2-step warmup: every step, warmup included, trains a full
 `train.batch_prompts` of groups (`train/batch_groups`), and after warmup some of each run's
 batches are groups trained at an earlier step (`replay/reused_frac` > 0). With the earlier
-window (K = max(2, eta)) nothing could be replayed at eta = 2: run with `replay.k=2`, this test
+window (K = max(2, eta)) nothing could be replayed at eta = 2: run with `algo.k=2`, this test
 fails on its last check. The old warmup (newest version only) is not caught here: at batch 8 each
 warmup step's candidates are of one version, so keeping the newest keeps all of them;
 tests/unit/train/test_batching.py (`test_choose_groups_warmup_trains_a_full_batch`) pins that
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_harness import assert_nothing_left, new_run
+from tests.helpers.e2e import assert_nothing_left, new_run
 
 BATCH = 8
 WARMUP = 2
-DEPTH = {"staleness": {"max_head_offpolicyness": 2},
-         "replay": {"enable": True, "k": 4, "sg": True, "warmup": WARMUP, "pmis": True},
-         "algo": {"policy_loss": "darl", "ppo_n_minibatches": 2},
+DEPTH = {"algo": {"max_head_offpolicyness": 2, "replay": True, "k": 4, "sg": True, "warmup": WARMUP, "pmis": True,
+                  "policy_loss": "darl", "ppo_n_minibatches": 2},
          "train": {"steps": 10, "batch_prompts": BATCH}}
 
 

@@ -19,7 +19,7 @@ import signal
 import pytest
 import yaml
 
-from e2e_harness import DarlRun, assert_nothing_left, new_run, role_pid, run_groups, write_config
+from tests.helpers.e2e import DarlRun, assert_nothing_left, new_run, role_pid, run_groups, write_config
 
 STEPS = 6
 
@@ -46,7 +46,7 @@ def newest_checkpoint(run_dir: str) -> tuple[int, dict]:
 @pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_kill_learner_then_resume_trains_every_prompt_once(tmp_path, warm_model):
-    run = new_run(tmp_path, warm_model, "resume", staleness={"max_head_offpolicyness": 1},
+    run = new_run(tmp_path, warm_model, "resume", algo={"max_head_offpolicyness": 1},
                   train={"steps": STEPS}, checkpoint={"every_steps": 2, "keep_last": 2})
     resumed = None
     try:
@@ -54,7 +54,7 @@ def test_kill_learner_then_resume_trains_every_prompt_once(tmp_path, warm_model)
         run.wait_for(lambda: len(run.ledger()) >= 3, 150, "3 trained steps (a checkpoint at step 2)")
         run_id = run.run_info()["run_id"]
         groups = run_groups(run)
-        os.kill(role_pid(run.run_dir, "megatron_darl.train"), signal.SIGKILL)
+        os.kill(role_pid(run.run_dir, "megatron_darl.trainer"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
         assert code != 0 and "process 'learner0' stopped with signal SIGKILL" in out, out[-3000:]

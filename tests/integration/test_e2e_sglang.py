@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from e2e_harness import new_run
+from megatron_darl.channel.ports import free_port
 from megatron_darl.launch.engine_host import healthy
-from sglang_release import require_release
+from tests.helpers import repo_env
+from tests.helpers.e2e import new_run
+from tests.helpers.sglang_release import require_release
 
 STEPS = 3
-HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:
@@ -47,14 +41,14 @@ def served_calls(path: Path) -> list[dict]:
 def train_against_standin(tmp_path, warm_model, **rollout):
     """`darl-train` for STEPS steps against a stand-in; (exit code, output, the stand-in's calls, run)."""
     release = require_release()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     run = new_run(tmp_path, warm_model, "sglang", train={"steps": STEPS},
                   rollout={"backend": "sglang", "engine_urls": [url], "pause_mode": "abort", **rollout})
     calls = tmp_path / "calls.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = repo_env(OMP_NUM_THREADS="1")
     log = open(tmp_path / "standin.log", "w")
-    standin = subprocess.Popen([sys.executable, str(HERE / "sglang_standin.py"), "--model", os.path.join(run.run_dir, "model"),
+    standin = subprocess.Popen([sys.executable, "-m", "tests.helpers.sglang_standin", "--model", os.path.join(run.run_dir, "model"),
                                 "--port", str(port), "--release-root", release.root, "--version", release.version,
                                 "--calls", str(calls)], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -1,4 +1,4 @@
-"""`staleness.max_head_offpolicyness=0` with selection off is a synchronous run, exactly.
+"""`algo.max_head_offpolicyness=0` with selection off is a synchronous run, exactly.
 
 Two real `darl-train` runs (embedded engine, rollout manager, one learner rank) with the same
 seed: every step trains only on tokens sampled by the weights of that very step (staleness 0),
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_harness import assert_nothing_left, new_run
-from sync_reference import free_port, reference_losses
+from tests.helpers.e2e import assert_nothing_left, new_run
+from tests.helpers.sync_reference import free_port, reference_losses
 
 from megatron_darl.config import load_config
 
-SYNC = {"staleness": {"max_head_offpolicyness": 0},
-        "replay": {"enable": False, "sg": False, "pmis": False},
-        "algo": {"policy_loss": "ppo", "old_logprob": "proximal", "ppo_n_minibatches": 2}}
+SYNC = {"algo": {"max_head_offpolicyness": 0, "replay": False, "sg": False, "pmis": False, "policy_loss": "ppo",
+                 "old_logprob": "proximal", "ppo_n_minibatches": 2}}
 
 
 @pytest.mark.slow  # a whole darl-train run

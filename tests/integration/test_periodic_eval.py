@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from e2e_harness import assert_nothing_left, base_config, new_run, write_config
+from tests.helpers.e2e import assert_nothing_left, base_config, new_run, write_config
 
 from megatron_darl.config import load_config
 
@@ -25,10 +25,10 @@ N = 60
 
 @pytest.mark.timeout(300)
 def test_in_process_scores_equal_the_engine_served_evaluation(tmp_path, warm_model):
+    from megatron_darl.eval.heldout import evaluate_with_engines
     from megatron_darl.eval.periodic import PeriodicEvaluator
-    from megatron_darl.eval.session import evaluate_with_engines
-    from megatron_darl.launch.local import Supervisor
-    from megatron_darl.launch.runner import start_local_engines
+    from megatron_darl.launch.local import start_local_engines
+    from megatron_darl.launch.supervisor import Supervisor
 
     cfg = load_config(write_config(str(tmp_path / "c.yaml"), base_config(
         str(tmp_path / "run"), warm_model, eval={"num_problems": N, "every_steps": 1}, data={"eval_size": N})))

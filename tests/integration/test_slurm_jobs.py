@@ -23,17 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from e2e_harness import assert_nothing_left, new_run
-from slurm_harness import job_components, job_id_of, wait_job_gone
+from tests.helpers.e2e import assert_nothing_left, new_run
+from tests.helpers.slurm import job_components, job_id_of, wait_job_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 HET = {"mode": "slurm", "rollout_nodes": 1, "trainer": {"cpus_per_task": 1}, "rollout": {"cpus_per_task": 1}}
-SYNC = {"staleness": {"max_head_offpolicyness": 0}, "replay": {"enable": False, "sg": False, "pmis": False},
-        "algo": {"policy_loss": "ppo", "old_logprob": "proximal", "ppo_n_minibatches": 2}}
+SYNC = {"algo": {"max_head_offpolicyness": 0, "replay": False, "sg": False, "pmis": False, "policy_loss": "ppo",
+                 "old_logprob": "proximal", "ppo_n_minibatches": 2}}
 
 
 def _darl_train(args: list[str], cwd: str, out: Path) -> subprocess.Popen:
-    exe = [sys.executable, "-c", "from megatron_darl.cli import train; train()"]
+    exe = [sys.executable, "-c", "from megatron_darl.launch.cli import train; train()"]
     return subprocess.Popen(exe + args, cwd=cwd, stdout=open(out, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
 
@@ -99,7 +99,7 @@ def test_learner_ranks_on_two_nodes_give_the_one_machine_losses(tmp_path, warm_m
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, warm_model):
-    run = new_run(tmp_path, warm_model, "cancel", staleness={"max_head_offpolicyness": 1}, train={"steps": 200},
+    run = new_run(tmp_path, warm_model, "cancel", algo={"max_head_offpolicyness": 1}, train={"steps": 200},
                   launch=HET)
     try:
         run.start()
@@ -136,7 +136,7 @@ def _release_when_requeued(run, job: str, timeout_s: float) -> None:
 @pytest.mark.timeout(900)
 def test_preempted_job_requeues_and_resumes_from_its_checkpoint(tmp_path, warm_model):
     steps = 20  # far more than are done when the signals come: the run must not finish first
-    run = new_run(tmp_path, warm_model, "requeue", staleness={"max_head_offpolicyness": 1}, train={"steps": steps},
+    run = new_run(tmp_path, warm_model, "requeue", algo={"max_head_offpolicyness": 1}, train={"steps": steps},
                   checkpoint={"every_steps": 0}, launch=HET)
     try:
         run.start()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_harness import job_components, run_sbatch
+from tests.helpers.slurm import job_components, run_sbatch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 REPO = Path(__file__).resolve().parents[2]

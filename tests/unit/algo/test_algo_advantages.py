@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import algo_reference as ref
 from megatron_darl.algo import grpo_advantages, rloo_advantages
+from tests.helpers import algo_reference as ref
 
 
 @pytest.mark.parametrize("n_groups,size,seed", [(1, 1, 0), (3, 4, 1), (8, 8, 2), (5, 2, 3)])

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-import algo_reference as ref
 from megatron_darl.algo import diagnostics, effective_sample_size, masked_quantile, staleness_histogram
+from tests.helpers import algo_reference as ref
 
 
 def test_diagnostics_match_reference():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import algo_reference as ref
+from tests.helpers import algo_reference as ref
 from megatron_darl.algo import (
     darl_policy_loss,
     decoupled_ppo_loss,

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-import algo_reference as ref
 from megatron_darl.algo import rollout_is_weights
+from tests.helpers import algo_reference as ref
 
 SHAPES = [(1, 1), (3, 5), (6, 17)]
 

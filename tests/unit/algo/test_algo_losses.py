@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-import algo_reference as ref
 from megatron_darl.algo import decoupled_ppo_loss, ppo_loss, rollout_is_weights, sg_policy_loss
+from tests.helpers import algo_reference as ref
 
 SHAPES = [(1, 1), (4, 6), (7, 13)]
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import algo_reference as ref
+from tests.helpers import algo_reference as ref
 from megatron_darl.algo import (
     balance_weights,
     darl_policy_loss,

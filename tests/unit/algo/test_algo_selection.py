@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-import algo_reference as ref
+from tests.helpers import algo_reference as ref
 from megatron_darl.algo import (
     admitted_groups,
     group_scores,

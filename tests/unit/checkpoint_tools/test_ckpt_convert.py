@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from checkpoint_tools import convert as convert_mod
 from checkpoint_tools.api import CheckpointError, MissingTensorsError, ShapeMismatchError
-from checkpoint_tools.cli import main
+from checkpoint_tools.commands import main
 from checkpoint_tools.convert import hf_to_mcore, mcore_to_hf, reshard
 from checkpoint_tools.hf_format import HFReader
 from checkpoint_tools.mcore_format import RANK_FILE, load_mcore_rank_state, rank_dir, read_meta

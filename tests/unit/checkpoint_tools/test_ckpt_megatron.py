@@ -2,9 +2,7 @@
 its stage's GPTModel (local spec, CPU, gloo) with strict=True, and the logits equal transformers'
 on the original model within 1e-5 (fp32). Runs `ckpt_megatron_check.py` as `tp` subprocesses."""
 
-import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -12,22 +10,16 @@ import pytest
 import torch
 
 from checkpoint_tools.convert import hf_to_mcore
+from megatron_darl.channel.ports import free_port
+from tests.helpers import repo_env
 
 pytest.importorskip("megatron.core")
-SCRIPT = os.path.join(os.path.dirname(__file__), "ckpt_megatron_check.py")
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_ranks(pairs: list[tuple[str, str]], tp: int) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    args = [str(tp), str(_free_port())] + [x for pair in pairs for x in pair]
-    procs = [subprocess.Popen([sys.executable, SCRIPT, str(r)] + args, env=env,
+    env = repo_env(OMP_NUM_THREADS="1")
+    args = [str(tp), str(free_port())] + [x for pair in pairs for x in pair]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.ckpt_megatron_check", str(r)] + args, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(tp)]
     outs = []
     try:

@@ -1,13 +1,9 @@
-"""Fixtures of the data tests: the two tokenizers, each loaded once per session, offline."""
+"""Fixtures of the data tests: the Qwen3 tokenizer, loaded once per session, offline (the demo
+tokenizer, `demo_tok`, is the whole suite's: tests/conftest.py)."""
 
 import pytest
 
 from megatron_darl.data.tokenizers import load_tokenizer
-
-
-@pytest.fixture(scope="session")
-def demo_tok(tmp_path_factory):
-    return load_tokenizer("builtin:demo", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")

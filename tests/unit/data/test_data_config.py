@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_darl.data.api import DataConfig, SourceSpec
+from megatron_darl.config.data import DataConfig, SourceSpec
 
 
 def fields_of(errs):

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from megatron_darl.data.api import DataConfig, DataReport, PromptError, PromptLoader, PromptRecord, PromptSource
+from megatron_darl.config.data import DataConfig
+from megatron_darl.data.api import DataReport, PromptError, PromptLoader, PromptRecord, PromptSource
 from megatron_darl.data.sources import build_loader, build_source
 
 

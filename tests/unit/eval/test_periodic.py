@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from megatron_darl.eval.api import EvalConfig
+from megatron_darl.config.eval import EvalConfig
+from megatron_darl.engine.decoder import Decoder, Sequence
 from megatron_darl.eval.periodic import DecoderEngine, samples_generated
-from megatron_darl.rollout.api import GenerateRequest, SamplingParams
-from megatron_darl.rollout.decoder import Decoder, Sequence
+from megatron_darl.types import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from megatron_darl.experiment import analysis as A
-from megatron_darl.experiment.api import Curve, RunResult, RunSpec, Setting
-from megatron_darl.experiment.plan import SIZES, best_settings, main_specs, tuning_specs, untuned, with_overrides
+from experiment import analysis as A
+from experiment.api import Curve, RunResult, RunSpec, Setting
+from experiment.plan import SIZES, best_settings, main_specs, tuning_specs, untuned, with_overrides
 
 
 def _run(method, acc, samples=None, eta=1, lr=5e-5, seed=0, loss_ok=True, ess=0.9, stale=(0.5, 1.0)):
@@ -102,7 +102,7 @@ def test_eta_figures_threshold_and_rows():
 
 
 def test_the_seeds_plan_pilot_and_budget():
-    from megatron_darl.experiment.plan import estimate_s, pilot_choice, pilot_specs
+    from experiment.plan import estimate_s, pilot_choice, pilot_specs
 
     size = SIZES["seeds"]
     assert size.check() == [] and not tuning_specs(size)
@@ -110,7 +110,7 @@ def test_the_seeds_plan_pilot_and_budget():
     assert size.etas == (1,) and len(size.seeds) == 4 and size.steps == 60
     assert "algo.ppo_n_minibatches=4" in size.settings
     for m in ("naive_replay", "decoupled_replay", "darl"):  # K = 4: three replay versions
-        assert "replay.k=4" in RunSpec(m, 1, 5e-5, 0).overrides(60, 10)
+        assert "algo.k=4" in RunSpec(m, 1, 5e-5, 0).overrides(60, 10)
     pilots = pilot_specs(size)
     assert [p.lr for p in pilots] == sorted(size.pilot_lrs) and all(p.name.startswith("pilot") for p in pilots)
     assert "train.steps=12" in pilots[0].overrides(size.steps, size.every)
@@ -171,16 +171,16 @@ def test_the_default_plan_covers_every_cell_once():
 
 def test_run_overrides_set_eta_window_and_learning_rate():
     over = RunSpec("darl", 8, 1e-4, 2).overrides(steps=40, every=5)
-    assert "staleness.max_head_offpolicyness=8" in over and "replay.k=11" in over  # eta + replay depth 3
+    assert "algo.max_head_offpolicyness=8" in over and "algo.k=11" in over  # eta + replay depth 3
     assert {"optim.lr=0.0001", "train.seed=2", "train.steps=40", "eval.every_steps=5"} <= set(over)
     sync = RunSpec("sync", 0, 1e-4, 0).overrides(steps=40, every=5)
-    assert [o for o in sync if o.startswith("staleness.")] == ["staleness.max_head_offpolicyness=0"]
-    assert "replay.k=5" in RunSpec("darl_d1", 4, 1e-4, 0).overrides(40, 5)
-    assert [o for o in RunSpec("darl_d0", 4, 1e-4, 0).overrides(40, 5) if o.startswith("replay.k=")] == ["replay.k=4"]
+    assert [o for o in sync if o.startswith("algo.max_head_offpolicyness")] == ["algo.max_head_offpolicyness=0"]
+    assert "algo.k=5" in RunSpec("darl_d1", 4, 1e-4, 0).overrides(40, 5)
+    assert [o for o in RunSpec("darl_d0", 4, 1e-4, 0).overrides(40, 5) if o.startswith("algo.k=")] == ["algo.k=4"]
     for m in ("naive_replay", "decoupled_replay"):  # the replay baselines: D-ARL's window, FIFO, one token mean
         over = RunSpec(m, 1, 1e-4, 0).overrides(40, 5)
-        assert {"replay.k=4", "replay.enable=true", "replay.sg=false", "replay.pmis=false"} <= set(over)
-    assert not any(o.startswith("replay.k=") for o in RunSpec("decoupled_areal", 1, 1e-4, 0).overrides(40, 5))
+        assert {"algo.k=4", "algo.replay=true", "algo.sg=false", "algo.pmis=false"} <= set(over)
+    assert not any(o.startswith("algo.k=") for o in RunSpec("decoupled_areal", 1, 1e-4, 0).overrides(40, 5))
 
 
 def test_minibatches_are_tuned_with_the_rate_when_asked():
@@ -201,17 +201,17 @@ def test_minibatches_are_tuned_with_the_rate_when_asked():
 def test_the_pacing_setting_is_checked_and_the_default_size_paces():
     from megatron_darl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="train.min_step_s"):
-        load_config("configs/cpu_demo_darl.yaml", ["train.min_step_s=-1"])
-    assert load_config("configs/cpu_demo_darl.yaml", []).train.min_step_s == 0.0  # off unless asked
-    assert "train.min_step_s=1.0" in SIZES["etas"].settings
+    with pytest.raises(ConfigError, match="demo.min_step_s"):
+        load_config("configs/cpu_demo_darl.yaml", ["demo.min_step_s=-1"])
+    assert load_config("configs/cpu_demo_darl.yaml", []).demo.min_step_s == 0.0  # off unless asked
+    assert "demo.min_step_s=1.0" in SIZES["etas"].settings
 
 
 def test_the_report_says_what_the_warm_start_stop_selected_from(tmp_path):
     import json
 
-    from megatron_darl.experiment.report import _warm_lines
-    from megatron_darl.warmstart import read_stats
+    from experiment.report import _warm_lines
+    from megatron_darl.launch.warmstart import read_stats
 
     model = tmp_path / "model"
     model.mkdir()
@@ -227,7 +227,7 @@ def test_the_report_says_what_the_warm_start_stop_selected_from(tmp_path):
 
 
 def test_the_report_lists_mean_accuracy_by_step_per_cell():
-    from megatron_darl.experiment.report import _curve_lines
+    from experiment.report import _curve_lines
 
     def run(method, seed, acc, steps=(0.0, 10.0, 20.0)):
         return {"method": method, "eta": 1, "lr": 1e-4, "minibatches": None, "seed": seed,
@@ -245,7 +245,7 @@ def test_the_report_lists_mean_accuracy_by_step_per_cell():
 
 
 def test_the_report_prints_the_pilot_and_the_runs_wall_time():
-    from megatron_darl.experiment.report import _cost_lines, _pilot_lines
+    from experiment.report import _cost_lines, _pilot_lines
 
     pilot = {"clip_frac": {"0.0002": 0.039, "0.0004": 0.071}, "final_accuracy": {"0.0002": 0.10, "0.0004": 0.006},
              "rate": 2e-4, "reached": True, "threshold": 0.03, "method": "decoupled_areal", "steps": 12,

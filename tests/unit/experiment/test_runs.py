@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from megatron_darl.experiment.api import RunSpec
-from megatron_darl.experiment.runs import RUN_RECORD, RunFailed, command, finished, read_result
+from experiment.api import RunSpec
+from experiment.runs import RUN_RECORD, RunFailed, command, finished, read_result
 
 SPEC = RunSpec("decoupled_areal", 2, 5e-5, 1)
 
@@ -86,9 +86,9 @@ def test_read_result_names_a_run_without_evaluations(tmp_path):
 def test_report_of_the_seeds_size_tables_tests_and_drift(tmp_path):
     """Per (eta, rate) table with the decided figures and the drift diagnostics, D-ARL's paired
     tests against each method with Holm-corrected p-values, in markdown and JSON."""
-    from megatron_darl.experiment.api import Curve, RunResult
-    from megatron_darl.experiment.plan import SIZES, with_overrides
-    from megatron_darl.experiment.report import build_report, markdown
+    from experiment.api import Curve, RunResult
+    from experiment.plan import SIZES, with_overrides
+    from experiment.report import build_report, markdown
 
     size = with_overrides(SIZES["seeds"], lr_grid=(5e-5, 2e-4))
     results = []

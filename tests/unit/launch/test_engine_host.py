@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_darl.channel.announcements import read_announcement, request_restart, stop_path
+from megatron_darl.channel.run_info import write_marker
 from megatron_darl.config import load_config, save_resolved
 from megatron_darl.launch.engine_host import DIRECT, host_error_path, probe_path
 from megatron_darl.launch.session import make_run_info
-from megatron_darl.rollout.engine_command import read_announcement, request_restart, stop_path
-from megatron_darl.run_info import write_marker
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
+from megatron_darl.engine.command import EngineSpec, no_proxy_env
 from megatron_darl.launch.engine_host import healthy
-from megatron_darl.rollout.engine_command import EngineSpec, no_proxy_env
 
 DEAD_PROXY = "http://127.0.0.1:9"
 

@@ -19,16 +19,15 @@ def _loaded_after(imports: str) -> set[str]:
     return {m for m in out.stdout.split() if m.startswith("megatron_darl")}
 
 
-def test_loop_and_learner_side_do_not_import_the_launcher():
-    mods = _loaded_after("import megatron_darl.train, megatron_darl.learner_side")
-    config_only = {"megatron_darl.launch", "megatron_darl.launch.api"}  # LaunchConfig, part of RunConfig
-    assert not [m for m in mods if m.startswith("megatron_darl.launch") and m not in config_only], mods
+def test_loop_and_trainer_rank_do_not_import_the_launcher():
+    mods = _loaded_after("import megatron_darl.trainer.loop, megatron_darl.trainer.rank")
+    assert not [m for m in mods if m.startswith("megatron_darl.launch")], mods
 
 
 def test_launcher_does_not_import_the_loop():
-    mods = _loaded_after("import megatron_darl.launch.runner, megatron_darl.launch.session, "
+    mods = _loaded_after("import megatron_darl.launch.local, megatron_darl.launch.session, "
                          "megatron_darl.launch.slurm, megatron_darl.launch.slurm_job, megatron_darl.launch.engine_host")
-    assert "megatron_darl.train" not in mods and "megatron_darl.learner_side" not in mods, mods
+    assert "megatron_darl.trainer.loop" not in mods and "megatron_darl.trainer.rank" not in mods, mods
 
 
 def _learner_calls(path: Path, names: tuple[str, ...]) -> set[str]:
@@ -48,8 +47,8 @@ def _learner_calls(path: Path, names: tuple[str, ...]) -> set[str]:
 def test_learner_protocol_lists_every_call_of_loop_publisher_and_checkpointer():
     declared = {n for n in dir(Learner) if not n.startswith("_")} | set(Learner.__annotations__)
     used = set()
-    for rel in ("train.py", "publication.py", "resume.py", "learner_side.py"):
+    for rel in ("trainer/loop.py", "trainer/publication.py", "trainer/checkpoints.py", "trainer/rank.py"):
         used |= _learner_calls(PKG / rel, ("learner",))
-    used -= {"send_stop"}  # learner_side's own wrapper, not the learner's
+    used -= {"send_stop"}  # trainer/rank.py's own wrapper, not the learner's
     assert used, "found no learner calls: the scan is broken"
     assert used <= declared, f"calls missing from learner.api.Learner: {sorted(used - declared)}"

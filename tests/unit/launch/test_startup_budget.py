@@ -14,11 +14,11 @@ import time
 
 import pytest
 
+from megatron_darl.channel.run_info import write_marker
 from megatron_darl.config import load_config
 from megatron_darl.launch.engine_host import host_starting_path, wait_healthy
-from megatron_darl.launch.local import Child
 from megatron_darl.launch.session import HostClock, make_run_info
-from megatron_darl.run_info import write_marker
+from megatron_darl.launch.supervisor import Child
 
 
 def test_sglang_gets_a_longer_default_and_an_explicit_budget_wins():

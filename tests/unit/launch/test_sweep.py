@@ -4,8 +4,8 @@ import os
 import subprocess
 import sys
 
+from megatron_darl.channel.shm_ring import ShmRing
 from megatron_darl.launch.session import sweep_stale_runs
-from megatron_darl.replay.shm_ring import ShmRing
 
 
 def _age(path, seconds=3600):
@@ -16,7 +16,7 @@ def _age(path, seconds=3600):
 def test_sweep_removes_dead_runs_only(tmp_path):
     d = str(tmp_path)
     dead_ring = "darl-aaaaaaaaaa-ring"
-    subprocess.run([sys.executable, "-c", "from megatron_darl.replay.shm_ring import ShmRing;"
+    subprocess.run([sys.executable, "-c", "from megatron_darl.channel.shm_ring import ShmRing;"
                     f"ShmRing.create({dead_ring!r}, 1 << 16, directory={d!r})"], check=True, timeout=60)
     (tmp_path / "darl-aaaaaaaaaa-weights" / "v1").mkdir(parents=True)
     live = ShmRing.create("darl-bbbbbbbbbb-ring", 1 << 16, directory=d)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-import learner_worker as W
 from megatron_darl import algo
-from megatron_darl.learner.api import AlgorithmConfig
+from megatron_darl.algo.config import AlgoConfig
 from megatron_darl.learner.packing import micro_batch
 from megatron_darl.learner.snapshots import SNAPSHOT_BUDGET_BYTES, PolicySnapshots, choose_mode
 from megatron_darl.learner.train_step import minibatch_constants, policy_loss
+from tests.helpers import learner_worker as W
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ def test_choose_mode_and_snapshot_window():
 
 def test_balance_on_one_version_is_plain_is():
     batch, logp = _batch([3] * 8)
-    a = AlgorithmConfig(policy_loss="darl", rollout_is="token")
+    a = AlgoConfig(policy_loss="darl", rollout_is="token")
     rows = np.arange(batch.batch_size)
     tok, _ = minibatch_constants(a, batch, rows, None, "tokens")
     bal, metrics = minibatch_constants(a, batch, rows, None, "balance", prox_version=5)
@@ -77,7 +77,7 @@ def test_balance_on_one_version_is_plain_is():
 
 def test_interpolation_is_flagged_and_exact_versions_are_used():
     batch, logp = _batch([3, 3, 2, 2, 3, 3, 2, 2])
-    a = AlgorithmConfig(policy_loss="darl", ppo_n_minibatches=1)
+    a = AlgoConfig(policy_loss="darl", ppo_n_minibatches=1)
     rows = np.arange(batch.batch_size)
     interp, m = minibatch_constants(a, batch, rows, None, "balance", prox_version=4)
     assert m["algo/balance_exact"] == 0.0 and m["algo/balance_interpolated"] == 2.0
@@ -114,13 +114,13 @@ def _free_port() -> int:
 
 
 def _learner(hf_dir, **kw):
-    from megatron_darl.learner.api import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     return MegatronLearner(ModelConfig(hf_dir=hf_dir, dtype="fp32", spec="local"), ParallelConfig(),
                            OptimConfig(lr=3e-3, grad_clip=1.0), LearnerConfig(micro_batch_tokens=96),
-                           AlgorithmConfig(policy_loss="darl", ppo_n_minibatches=1), temperature=0.9, seed=1,
-                           pmis="balance", **kw)
+                           W.learner_algo("darl", ppo_n_minibatches=1, pmis_beta="balance", **kw), temperature=0.9,
+                           seed=1)
 
 
 @pytest.mark.timeout(120)
@@ -135,7 +135,7 @@ def test_kept_snapshots_rescore_like_fresh_learners(tmp_path, monkeypatch):
     batch = W.make_batch()
     _set_versions(batch, [0, 0, 1, 1, 2, 2, 1, 1])
     try:
-        learner = _learner(hf, balance_snapshots="auto", replay_k=2)
+        learner = _learner(hf, balance_snapshots="auto", k=2)
         assert learner.balance_mode == "exact"  # a tiny model: K copies fit the budget
         for v in (0, 1):
             learner.export_hf(str(tmp_path / f"v{v}"))
@@ -159,7 +159,7 @@ def test_kept_snapshots_rescore_like_fresh_learners(tmp_path, monkeypatch):
         assert np.abs(got[0] - got[2]).max() > 1e-3  # training moved the policy: the check can fail
         learner.close(keep_world=True)
         for v in (0, 1):
-            fresh = _learner(str(tmp_path / f"v{v}"), balance_snapshots="interpolate", replay_k=2)
+            fresh = _learner(str(tmp_path / f"v{v}"), balance_snapshots="interpolate", k=2)
             assert fresh.balance_mode == "interpolate" and fresh.snapshots is None
             np.testing.assert_allclose(got[v], fresh.compute_logprobs(batch), atol=1e-5, rtol=0)
             if v == 1:  # interpolate mode keeps nothing and trains; older versions are flagged

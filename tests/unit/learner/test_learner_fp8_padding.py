@@ -5,7 +5,7 @@ log-probs, the loss nor the gradients of the unpadded computation."""
 import numpy as np
 import pytest
 
-import learner_worker as W
+from tests.helpers import learner_worker as W
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ they skip without a GPU (and the TE ones without transformer_engine)."""
 import pytest
 import torch
 
-import learner_worker as W
+from tests.helpers import learner_worker as W
+from tests.helpers import repo_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -84,17 +85,18 @@ def test_nccl_weight_broadcast_reaches_a_receiver(tmp_path):
         port = s.getsockname()[1]
     receiver = subprocess.Popen([sys.executable, "-c", f"""
 import torch, torch.distributed as dist
-from megatron_darl.learner.weights import init_custom_group
+from megatron_darl.channel.process_group import init_custom_group
 torch.cuda.set_device(1)
 g = init_custom_group("127.0.0.1", {port}, 2, "darl_weights", rank=1, backend="nccl", timeout_s=120)
 t = torch.empty(3, 5, device="cuda")
 dist.broadcast(t, group=g, group_src=0)
 assert torch.equal(t.cpu(), torch.arange(15.0).reshape(3, 5)), t
-"""], env=dict(__import__("os").environ, PYTHONPATH=W.REPO))
+"""], env=repo_env())
     import torch.distributed as dist
 
-    from megatron_darl.learner.weight_sender import _broadcast
-    from megatron_darl.learner.weights import describe, init_custom_group
+    from megatron_darl.channel.process_group import init_custom_group
+    from megatron_darl.learner.weights import describe
+    from megatron_darl.trainer.weight_sender import _broadcast
 
     torch.cuda.set_device(0)
     group = init_custom_group("127.0.0.1", port, 2, "darl_weights", rank=0, backend="nccl", timeout_s=120)

@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-import learner_worker as W
-from megatron_darl.learner.api import AlgorithmConfig
+from megatron_darl.algo.config import AlgoConfig
 from megatron_darl.learner.packing import micro_batch
 from megatron_darl.learner.train_step import minibatch_constants, policy_loss
+from tests.helpers import learner_worker as W
 
 CPU = torch.device("cpu")
 
 
 def _split_pmis(kw):
-    """`pmis` is the learner's beta mode (from replay.pmis_beta), not an AlgorithmConfig field."""
+    """`pmis` is the learner's beta mode (from algo.pmis_beta), not an AlgoConfig field."""
     kw = dict(kw)
     return kw.pop("pmis", "ess"), kw
 
@@ -23,7 +23,7 @@ def _setup(policy: str, **kw):
     batch = W.make_batch()
     rng = np.random.RandomState(1)
     batch.prox_logprobs = (batch.behav_logprobs + 0.2 * rng.randn(*batch.tokens.shape) * batch.loss_mask).astype(np.float32)
-    algo = AlgorithmConfig(policy_loss=policy, **kw)
+    algo = AlgoConfig(policy_loss=policy, **kw)
     logp = torch.tensor(batch.prox_logprobs + 0.1 * rng.randn(*batch.tokens.shape), dtype=torch.float32)
     return batch, algo, logp
 
@@ -80,5 +80,5 @@ def test_missing_proximal_logprobs_is_refused():
 
     batch = W.make_batch()
     with pytest.raises(ValueError, match="prox_logprobs"):
-        train_step([], None, None, batch, AlgorithmConfig(policy_loss="darl"), None, pg=None, device=CPU,
+        train_step([], None, None, batch, AlgoConfig(policy_loss="darl"), None, pg=None, device=CPU,
                    temperature=1.0, vocab_size=256)

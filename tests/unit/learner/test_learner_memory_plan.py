@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-import learner_worker as W
 from megatron_darl.config import load_config
 from megatron_darl.learner import memory_plan as MP
+from tests.helpers import learner_worker as W
 
 GIB = float(1 << 30)
 
@@ -51,7 +51,7 @@ def test_activation_formula_matches_a_hand_derivation():
 
 
 def MP_published(name):
-    from megatron_darl.learner.preflight import PUBLISHED
+    from megatron_darl.learner.checks import PUBLISHED
 
     return dict(PUBLISHED[name])
 
@@ -64,7 +64,7 @@ def test_shipped_gpu_recipes_fit(recipe):
 
 
 def test_the_old_4b_recipe_is_refused_with_changes_that_fit(capsys):
-    from megatron_darl.cli import train_main
+    from megatron_darl.launch.cli import train_main
 
     old = ["parallel.sequence_parallel=false", "model.recompute=none", "learner.micro_batch_tokens=32768"]
     assert train_main(["--config", "configs/qwen3_4b_math_darl.yaml", "--plan", *old]) == 1
@@ -73,18 +73,18 @@ def test_the_old_4b_recipe_is_refused_with_changes_that_fit(capsys):
 
 
 def test_preflight_refuses_before_anything_starts(capsys):
-    from megatron_darl.learner.preflight import learner_preflight
+    from megatron_darl.learner.checks import learner_checks
 
     cfg = _cfg("configs/qwen3_4b_math_darl.yaml", "learner.micro_batch_tokens=65536", "model.recompute=none")
-    errors = learner_preflight(cfg)
+    errors = learner_checks(cfg)
     assert len(errors) == 1 and "gpu_memory_gib" in errors[0] and "learner.micro_batch_tokens=" in errors[0]
     # engines sharing the GPU count against it
     shared = _cfg("configs/qwen3_4b_math_darl.yaml", "learner.engine_memory_fraction=0.9")
-    assert learner_preflight(shared) and not learner_preflight(_cfg("configs/qwen3_4b_math_darl.yaml"))
+    assert learner_checks(shared) and not learner_checks(_cfg("configs/qwen3_4b_math_darl.yaml"))
 
 
 def test_cpu_runs_print_a_plan_without_gpu_check(capsys):
-    from megatron_darl.cli import train_main
+    from megatron_darl.launch.cli import train_main
 
     assert train_main(["--config", "configs/cpu_demo_darl.yaml", "--plan"]) == 0
     out = capsys.readouterr().out
@@ -104,7 +104,7 @@ def test_the_local_spec_plans_six_bytes_per_attention_score():
 def test_a_node_without_te_refuses_the_1p7b_recipe_that_planned_te():
     """The 1.7B recipe plans under 80 GiB with TE; with model.spec=auto on a node without TE it
     runs the local spec, whose attention does not fit: refused on the node, naming both."""
-    from megatron_darl.learner.preflight import check_resolved_spec
+    from megatron_darl.learner.checks import check_resolved_spec
 
     cfg = _cfg("configs/qwen3_1p7b_gsm8k_darl.yaml")  # shapes: the published Qwen3-1.7B
     hf = MP_published("qwen3-1.7b")

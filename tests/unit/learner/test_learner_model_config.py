@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_darl.learner.api import ModelConfig, ParallelConfig
+from megatron_darl.config.learner import ModelConfig, ParallelConfig
 from megatron_darl.learner.model import layer_spec, resolve_dtype, resolve_spec, rope_theta, transformer_config
 
 QWEN3 = {

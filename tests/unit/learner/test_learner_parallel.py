@@ -8,7 +8,7 @@ TP1/PP1/DP1 reference, transformers' log-probs, HF export, packing budgets and l
 import numpy as np
 import pytest
 
-import learner_worker as W
+from tests.helpers import learner_worker as W
 
 TOL = 1e-5
 LAYOUTS = ("tp2pp2", "tp1dp4", "tp2dp2", "pp2dp2")

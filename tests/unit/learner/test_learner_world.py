@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_darl.config import load_config
-from megatron_darl.launch.runner import LocalPlacement, learner_env
+from megatron_darl.launch.local import LocalPlacement, learner_env
 from megatron_darl.launch.session import make_run_info
 
 REPO = Path(__file__).resolve().parents[3]
@@ -88,7 +88,7 @@ WAITER = """
 import time, torch, torch.distributed as dist
 from megatron_darl.learner.collectives import broadcast_json
 from megatron_darl.learner.parallel import init_world
-from megatron_darl.learner_side import Preempted, Preemption, _StoppableLearner
+from megatron_darl.trainer.preemption import Preempted, Preemption, StoppableLearner
 init_world("gloo", 2)  # a 2 s collective timeout stands for NCCL's 600 s
 main = dist.get_rank() == 0
 
@@ -97,7 +97,7 @@ class Learner:
     def broadcast_batch(self, batch):
         return broadcast_json(batch, 0, None, torch.device("cpu"))
 
-learner, preempted = _StoppableLearner(Learner()), Preemption()
+learner, preempted = StoppableLearner(Learner()), Preemption()
 for step in range(2):
     if main:
         time.sleep(4)  # waiting for a long first batch of rollouts

@@ -5,21 +5,11 @@ The time limit is the pool's job (test_rewards_pool.py); here every input is wel
 
 import pytest
 
-from megatron_darl.rollout.rewards.code_grader import (
-    extract_code,
-    grade_code,
-    humaneval_program,
-    outputs_match,
-    values_match,
-)
-from megatron_darl.rollout.rewards.math_grader import grade_math
-from megatron_darl.rollout.rewards.procedural import (
-    extract_answer,
-    grade_procedural,
-    procedural_payload,
-)
-from megatron_darl.rollout.rewards.sandbox import SandboxLimits
-from sandbox_ready import needs_sandbox
+from megatron_darl.rewards.code_grader import extract_code, grade_code, humaneval_program, outputs_match, values_match
+from megatron_darl.rewards.math_grader import grade_math
+from megatron_darl.rewards.procedural_grader import extract_answer, grade_procedural, procedural_payload
+from megatron_darl.rewards.sandbox import SandboxLimits
+from tests.helpers.sandbox import needs_sandbox
 
 MATH_RIGHT = [
     ("\\frac{1}{2}", "The answer is \\boxed{\\frac12}"),  # boxed fraction

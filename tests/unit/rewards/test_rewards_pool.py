@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from megatron_darl.rollout.rewards.api import RewardConfig, RewardInput
-from megatron_darl.rollout.rewards.pool import RewardPool
-from megatron_darl.rollout.rewards.sandbox import SandboxLimits
-from sandbox_ready import needs_sandbox
+from megatron_darl.config.rewards import RewardConfig
+from megatron_darl.rewards.api import RewardInput
+from megatron_darl.rewards.pool import RewardPool
+from megatron_darl.rewards.sandbox import SandboxLimits
+from tests.helpers.sandbox import needs_sandbox
 
 TIMEOUT_S = 3.0
 SPIN = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates this tower for minutes
@@ -29,7 +30,7 @@ def custom(mode, response="abcd"):
 
 @pytest.fixture(scope="module")
 def pool():
-    config = RewardConfig(num_workers=2, timeout_s=TIMEOUT_S, fn="rewards_user_fns:by_mode",
+    config = RewardConfig(num_workers=2, timeout_s=TIMEOUT_S, fn="tests.helpers.reward_fns:by_mode",
                           code_cpu_s=2, code_wall_s=60, code_memory_mb=512)
     with RewardPool(config) as p:
         yield p
@@ -39,7 +40,7 @@ def test_mixed_batch_graded_in_order(pool):
     import reasoning_gym
 
     entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=5)[0]
-    from megatron_darl.rollout.rewards.procedural import procedural_payload
+    from megatron_darl.rewards.procedural_grader import procedural_payload
 
     proc = procedural_payload("basic_arithmetic", entry)
     items = [
@@ -141,7 +142,7 @@ def test_bad_function_path_fails_at_start():
     with pytest.raises(ValueError, match="no_such_module"):
         RewardPool(RewardConfig(fn="no_such_module:f"))
     with pytest.raises(ValueError, match="no callable 'missing'"):
-        RewardPool(RewardConfig(fn="rewards_user_fns:missing"))
+        RewardPool(RewardConfig(fn="tests.helpers.reward_fns:missing"))
 
 
 def test_closed_pool_refuses_work():

@@ -16,13 +16,7 @@ import time
 
 import pytest
 
-from megatron_darl.rollout.rewards.sandbox import (
-    SandboxLimits,
-    SandboxRefused,
-    kill_uid,
-    run_sandboxed,
-    sandbox_uid,
-)
+from megatron_darl.rewards.sandbox import SandboxLimits, SandboxRefused, kill_uid, run_sandboxed, sandbox_uid
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the sandbox drops privileges, which needs root"

@@ -18,30 +18,30 @@ import sys
 
 import pytest
 
-from megatron_darl.rollout.rewards.sandbox import sandbox_problem
+from megatron_darl.rewards.sandbox import sandbox_problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 NO_SYS_ADMIN = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
 
 PROBE = """
 import json, os, sys
-from megatron_darl.rollout.rewards.sandbox import SandboxRefused, run_sandboxed, sandbox_problem
-from megatron_darl.data.api import DataConfig
-from megatron_darl.data.sources import preflight
+from megatron_darl.config.data import DataConfig
+from megatron_darl.launch.preflight import data_checks
+from megatron_darl.rewards.sandbox import SandboxRefused, run_sandboxed, sandbox_problem
 marker = sys.argv[1]
 try:
     r = run_sandboxed(f"open({marker!r}, 'w').write('ran')\\nprint('ran')", "")
     status, stderr = r.status, r.stderr
 except SandboxRefused as exc:  # the program did not run
     status, stderr = "refused", str(exc)
-from megatron_darl.rollout.rewards.api import RewardConfig
-from megatron_darl.rollout.rewards.worker import Grader, handle
+from megatron_darl.config.rewards import RewardConfig
+from megatron_darl.rewards.worker import Grader, handle
 item = {"prompt": "", "response": "print(5)", "kind": "code",
         "answer": {"format": "stdio", "cases": [{"input": "", "output": "5"}]}}
 graded = handle(Grader(RewardConfig()), {"id": 1, "item": item})
 print(json.dumps({"status": status, "stderr": stderr, "problem": sandbox_problem(), "graded": graded,
-                  "preflight": preflight(DataConfig(source="humaneval")),
-                  "procedural": preflight(DataConfig(source="reasoning_gym:chain_sum", size=8, eval_size=8))}))
+                  "preflight": data_checks(DataConfig(source="humaneval")),
+                  "procedural": data_checks(DataConfig(source="reasoning_gym:chain_sum", size=8, eval_size=8))}))
 """
 
 
@@ -72,7 +72,7 @@ def test_without_namespaces_the_program_does_not_run_and_a_code_run_is_refused(t
 
 NOT_ROOT = """
 import os
-from megatron_darl.rollout.rewards.sandbox import run_sandboxed, sandbox_problem
+from megatron_darl.rewards.sandbox import run_sandboxed, sandbox_problem
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 try:
     run_sandboxed("print('ran')", "")
@@ -85,12 +85,12 @@ print(sandbox_problem())
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="as root, test_a_code_run_is_refused_when_not_root drops to uid 65534")
 def test_not_root_is_named_before_a_code_run_starts():
-    from megatron_darl.data.api import DataConfig
-    from megatron_darl.data.sources import preflight
+    from megatron_darl.config.data import DataConfig
+    from megatron_darl.launch.preflight import data_checks
 
     problem = sandbox_problem()
     assert problem and "needs root" in problem and f"uid {os.geteuid()}" in problem
-    assert any("code tasks, but the code sandbox needs root" in e for e in preflight(DataConfig(source="humaneval")))
+    assert any("code tasks, but the code sandbox needs root" in e for e in data_checks(DataConfig(source="humaneval")))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user, which needs root")

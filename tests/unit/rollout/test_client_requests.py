@@ -10,8 +10,9 @@ import asyncio
 import pytest
 
 from megatron_darl.rollout import sglang_requests as rq
-from megatron_darl.rollout.api import GenerateRequest, RolloutEngine, SamplingParams
+from megatron_darl.rollout.api import RolloutEngine
 from megatron_darl.rollout.sglang_client import SGLangClient
+from megatron_darl.types import GenerateRequest, SamplingParams
 from megatron_darl.types import WeightVersion
 
 
@@ -103,7 +104,7 @@ def test_client_is_a_rollout_engine_and_refuses_a_broadcast_version_through_the_
 
 
 def test_client_from_rollout_config():
-    from megatron_darl.rollout.api import RolloutConfig
+    from megatron_darl.config.rollout import RolloutConfig
 
     client = SGLangClient.from_config("http://h:1", RolloutConfig(api_key="k", request_timeout_s=9.0, max_retries=1))
     assert (client.api_key, client.timeout_s, client.max_retries) == ("k", 9.0, 1)

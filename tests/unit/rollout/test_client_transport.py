@@ -11,8 +11,8 @@ import time
 import pytest
 from aiohttp import web
 
-from megatron_darl.rollout.api import GenerateRequest, SamplingParams
 from megatron_darl.rollout.sglang_client import EngineHTTPError, EngineUnreachableError, SGLangClient
+from megatron_darl.types import GenerateRequest, SamplingParams
 
 REQ = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2), rid="t")
 ANSWER = {"output_ids": [4, 5], "meta_info": {"finish_reason": {"type": "length", "length": 2}, "weight_version": "7",

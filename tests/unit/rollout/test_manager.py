@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from megatron_darl.replay.staleness import StalenessGate
-from megatron_darl.rollout.api import GenerateRequest, GenerateResponse, RolloutConfig
+from megatron_darl.channel.json_files import read_json
+from megatron_darl.channel.weight_notice import WeightNotice, publish_notice, read_status
+from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.manager import RolloutManager
-from megatron_darl.rollout.weight_notice import WeightNotice, publish_notice, read_json, read_status
+from megatron_darl.rollout.staleness import StalenessGate
 from megatron_darl.rollout.workflow import Episode, GroupWorkflow
+from megatron_darl.types import GenerateRequest, GenerateResponse
 from megatron_darl.types import WeightVersion
 
 EOS = 0

@@ -12,9 +12,9 @@ import pytest
 
 from test_manager import check_groups, make
 
+from megatron_darl.channel.json_files import read_json, write_json_atomic
+from megatron_darl.channel.weight_transfer import transfer_paths
 from megatron_darl.rollout.manager import RolloutManager
-from megatron_darl.rollout.weight_notice import read_json, write_json_atomic
-from megatron_darl.rollout.weight_transfer import transfer_paths
 from megatron_darl.types import WeightVersion
 
 

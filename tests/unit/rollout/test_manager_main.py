@@ -1,4 +1,4 @@
-"""`python -m megatron_darl.rollout.manager_process` as the launcher starts it: a resolved YAML config,
+"""`python -m megatron_darl.rollout` as the launcher starts it: a resolved YAML config,
 the node's ring (created by the 'learner', this test), a weight-notice file and one engine URL.
 It fills the ring with procedural prompts scored by the reward pool, honours the gate (eta=0:
 one batch per version), follows a new version from the notice, answers a state request, and
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_darl.replay.shm_ring import ShmRing
+from megatron_darl.channel.json_files import read_json
+from megatron_darl.channel.shm_ring import ShmRing
+from megatron_darl.channel.weight_notice import WeightNotice, publish_notice, read_status
 from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter
-from megatron_darl.rollout.weight_notice import WeightNotice, publish_notice, read_json, read_status
 from megatron_darl.types import WeightVersion, group_trajectories
 
 torch = pytest.importorskip("torch")
@@ -52,7 +53,7 @@ def test_manager_process_end_to_end(tmp_path):
         f"model: {{hf_dir: {tmp_path / 'v0'}, tokenizer: 'builtin:demo'}}\n"
         "data: {source: 'reasoning_gym:chain_sum', size: 40, eval_size: 0}\n"
         f"train: {{batch_prompts: 2, run_dir: {tmp_path / 'run'}}}\n"
-        "staleness: {max_head_offpolicyness: 0}\n"
+        "algo: {max_head_offpolicyness: 0}\n"
         "rollout: {group_size: 2, max_new_tokens: 6, request_timeout_s: 60}\n"
         "reward: {num_workers: 1}\n"
     )
@@ -73,7 +74,7 @@ def test_manager_process_end_to_end(tmp_path):
     try:
         url = loop.run_until_complete(start_engine())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_darl.rollout.manager_process", "--config", str(tmp_path / "cfg.yaml"),
+            [sys.executable, "-m", "megatron_darl.rollout", "--config", str(tmp_path / "cfg.yaml"),
              "--ring", name, "--weight-notice", str(notice), "--engine-url", url],
             env=env, cwd=str(tmp_path), stdout=open(tmp_path / "manager.log", "w"), stderr=subprocess.STDOUT)
         first = read_groups(ring, 4, 60)  # version 0, eta 0: exactly one batch of 2 groups x G=2

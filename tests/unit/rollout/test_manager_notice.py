@@ -7,8 +7,14 @@ import threading
 
 import pytest
 
-from megatron_darl.rollout.weight_notice import (
-    NoticePoller, RolloutStatus, WeightNotice, publish_notice, read_notice, read_status, write_status,
+from megatron_darl.channel.weight_notice import (
+    NoticePoller,
+    RolloutStatus,
+    WeightNotice,
+    publish_notice,
+    read_notice,
+    read_status,
+    write_status,
 )
 from megatron_darl.types import WeightVersion
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from megatron_darl.replay.shm_ring import ShmRing
-from megatron_darl.replay.staleness import StalenessGate
-from megatron_darl.rollout.api import RolloutConfig
+from megatron_darl.channel.shm_ring import ShmRing
+from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter, RingSink
+from megatron_darl.rollout.staleness import StalenessGate
 from megatron_darl.rollout.workflow import Episode, GroupWorkflow
 from megatron_darl.types import WeightVersion, group_trajectories
 

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_release import require_release
+from tests.helpers.sglang_release import require_release
 
-from megatron_darl.rollout import engine_requests as er
+from megatron_darl.config.rollout import RolloutConfig
+from megatron_darl.engine import requests as er
 from megatron_darl.rollout import sglang_requests as rq
-from megatron_darl.rollout.api import GenerateRequest, RolloutConfig, SamplingParams
 from megatron_darl.rollout.sglang_client import SGLangClient
 from megatron_darl.rollout.workflow import GroupWorkflow
+from megatron_darl.types import GenerateRequest, SamplingParams
 from megatron_darl.types import WeightVersion
 
 REPO = Path(__file__).resolve().parents[3]

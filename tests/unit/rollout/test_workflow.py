@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from megatron_darl.rollout.api import GenerateResponse, RolloutConfig, SamplingParams
+from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.workflow import Episode, GroupWorkflow, SampleState
+from megatron_darl.types import GenerateResponse, SamplingParams
 
 
 def resp(ids, version, reason, rid="r"):

@@ -1,0 +1,193 @@
+"""Running the experiment's training runs and reading back what they measured.
+
+What it is: `prepare_warm_start` (the supervised warm start, made once per experiment folder and
+copied into every run, so all runs and seeds start from the same weights), `run_or_reuse`
+(one `darl-train` subprocess per `RunSpec`, skipped when its folder already holds the finished
+run with the same overrides; a half-finished folder is removed and the run redone from the
+start, so that its wall-clock curve is one uninterrupted run), and `read_result` (the curve,
+staleness, ESS and wall time of a finished run from its `summary.json` and `metrics.jsonl`).
+What it is not: the choice of runs (`plan.py`) or their statistics (`analysis.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from experiment.api import Curve, RunResult, RunSpec
+
+RUN_RECORD = "experiment_run.json"  # the overrides a run folder was made with
+
+
+def child_env() -> dict[str, str]:
+    """Environment of a run: one thread per process, and this package first on the path, so
+    that every process of the run uses the same code as the experiment that started it."""
+    import megatron_darl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_darl.__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + (os.pathsep + path if path else ""))
+
+
+class RunFailed(RuntimeError):
+    """A training run exited non-zero or left an incomplete run folder (names its log)."""
+
+
+def prepare_warm_start(out: str, config: str, extra: list[str]) -> str:
+    """The shared warm-started model folder (`<out>/_warm/model`), made on first use."""
+    warm = os.path.join(out, "_warm")
+    model = os.path.join(warm, "model")
+    if not os.path.isfile(os.path.join(model, "warmstart.json")):
+        code = ("import sys; from megatron_darl.config import load_config; "
+                "from megatron_darl.launch.warmstart import prepare_model; "
+                "prepare_model(load_config(sys.argv[1], sys.argv[2:]))")
+        subprocess.run([sys.executable, "-c", code, config, f"train.run_dir={warm}", *extra], check=True,
+                       env=child_env())
+    return model
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _load(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def command(spec: RunSpec, run_dir: str, config: str, overrides: list[str]) -> list[str]:
+    model = os.path.join(run_dir, "model")
+    return [sys.executable, "-m", "megatron_darl", "train", "--config", config, f"train.run_dir={run_dir}",
+            f"model.hf_dir={model}", f"model.tokenizer={model}", "model.init=hf", "checkpoint.every_steps=0",
+            "logging.progress=false", *overrides]
+
+
+def finished(run_dir: str, cmd: list[str], steps: int, eval_on: bool) -> bool:
+    """Whether `run_dir` holds the complete run of exactly `cmd`: same overrides, the learner
+    reached `steps`, the launcher wrote its summary, and (with evaluation on) the final version
+    was evaluated in the loop."""
+    record = _load(os.path.join(run_dir, RUN_RECORD))
+    learner = _load(os.path.join(run_dir, "learner_summary.json"))
+    if record is None or record.get("command") != cmd[1:] or learner is None:
+        return False
+    if learner.get("final_version") != steps or _load(os.path.join(run_dir, "summary.json")) is None:
+        return False
+    if not eval_on:
+        return True
+    rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    return any(r.get("eval/version") == steps for r in rows)
+
+
+def run_or_reuse(spec: RunSpec, out: str, config: str, warm_model: str, overrides: list[str], steps: int,
+                 eval_on: bool, timeout_s: float) -> tuple[str, bool, float]:
+    """Run `spec` unless its finished folder exists; returns (run_dir, reused, seconds)."""
+    run_dir = os.path.abspath(os.path.join(out, "runs", spec.name))
+    cmd = command(spec, run_dir, config, overrides)
+    if finished(run_dir, cmd, steps, eval_on):
+        return run_dir, True, 0.0
+    shutil.rmtree(run_dir, ignore_errors=True)  # half-finished or other settings: redo from the start
+    shutil.copytree(warm_model, os.path.join(run_dir, "model"))
+    with open(os.path.join(run_dir, RUN_RECORD), "w", encoding="utf-8") as fh:
+        json.dump({"spec": spec.__dict__, "command": cmd[1:]}, fh, indent=1)
+    log_path = os.path.join(out, "logs", f"{spec.name}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    t0, cpu0 = time.time(), _children_cpu_s()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                env=child_env()).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not finished(run_dir, cmd, steps, eval_on):
+        why = f"exit code {rc}" if rc != 0 else "exit code 0 but the run folder is incomplete"
+        raise RunFailed(f"{spec.name}: {why}; see {log_path}")
+    # CPU seconds of every process of the run (each parent waits for its children): a machine-load
+    # independent size of the run, for budgeting (`--plan`) on another machine
+    with open(os.path.join(run_dir, "experiment_cost.json"), "w", encoding="utf-8") as fh:
+        json.dump({"wall_s": time.time() - t0, "cpu_s": _children_cpu_s() - cpu0, "load1": os.getloadavg()[0]}, fh)
+    return run_dir, False, time.time() - t0
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _finite(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in (_finite(x) for x in values) if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _oldest_ess(row: dict) -> float | None:
+    """`algo/ess_frac/v{k}` of the smallest (oldest) version k the step trained on."""
+    per = {int(k.rsplit("/v", 1)[1]): v for k, v in row.items() if k.startswith("algo/ess_frac/v")}
+    return per[min(per)] if per else None
+
+
+def drift_diagnostics(rows: list[dict]) -> dict:
+    """Means over the steps of the PPO clip fraction, the oldest version's ESS fraction, the
+    k3 KL estimate and the reused share of the batch (RunResult's drift fields)."""
+    return {"clip_frac": _mean(r.get("train/clip_frac") for r in rows),
+            "ess_oldest": _mean(_oldest_ess(r) for r in rows),
+            "kl_k3": _mean(r.get("algo/kl_k3") for r in rows),
+            "reused_frac": _mean(r.get("replay/reused_frac") for r in rows)}
+
+
+def read_result(spec: RunSpec, run_dir: str) -> RunResult:
+    """The measurements of a finished run. The curve starts at the launcher's evaluation of the
+    warm start (step 0, 0 samples, 0 s); the other points are the loop's own evaluations."""
+    summary = _load(os.path.join(run_dir, "summary.json")) or {}
+    rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    if not rows:
+        raise RunFailed(f"{spec.name}: {run_dir}/metrics.jsonl is empty")
+    curve = Curve()
+    if "accuracy_before" in summary:
+        curve.steps.append(0.0), curve.samples.append(0.0), curve.wall_s.append(0.0)
+        curve.accuracy.append(float(summary["accuracy_before"]))
+    for r in rows:
+        if "eval/accuracy" in r:
+            curve.steps.append(float(r["eval/version"]))
+            if "eval/samples_generated" not in r:
+                raise RunFailed(f"{spec.name}: the evaluation at step {r['step']} has no eval/samples_generated "
+                                f"(the rollout manager had written no status yet)")
+            curve.samples.append(float(r["eval/samples_generated"]))
+            curve.wall_s.append(float(r["eval/wall_s"]))
+            curve.accuracy.append(float(r["eval/accuracy"]))
+    if len(curve.accuracy) < 2:
+        raise RunFailed(f"{spec.name}: {run_dir} has no evaluation during training (eval.every_steps, "
+                        f"eval.num_problems) or no evaluation before it")
+    stale_mean = [v for v in (_finite(r.get("algo/staleness/batch/mean")) for r in rows) if v is not None]
+    stale_max = [v for v in (_finite(r.get("algo/staleness/batch/max")) for r in rows) if v is not None]
+    ess = [v for v in (_finite(r.get("algo/ess_frac")) for r in rows) if v is not None]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    eval_s = sum(float(r.get("perf/eval_s", 0.0)) for r in rows)
+    wall = float(rows[-1]["time"]) - eval_s
+    last_samples = max((float(r["eval/samples_generated"]) for r in rows if "eval/samples_generated" in r),
+                       default=math.nan)
+    return RunResult(
+        spec=spec, curve=curve, **drift_diagnostics(rows),
+        staleness_mean=sum(stale_mean) / len(stale_mean) if stale_mean else None,
+        staleness_max=max(stale_max) if stale_max else None,
+        ess_min=min(ess) if ess else None,
+        train_wall_s=wall,
+        nonfinite_loss=any(_finite(v) is None for v in losses),
+        samples_generated=last_samples,
+        steps_per_s=len(rows) / wall if wall > 0 else math.nan,
+        run_cost=_load(os.path.join(run_dir, "experiment_cost.json")),
+    )

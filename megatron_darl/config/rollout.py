@@ -1,0 +1,69 @@
+"""The `rollout` config section: how trajectories are generated and how engines are driven.
+
+What it is: `RolloutConfig`, each field documented where it is declared, with its checks.
+What it is not: the engine protocol (`rollout/api.py`) or its request types (`types.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from megatron_darl.types import PAUSE_MODES
+
+
+@dataclass
+class RolloutConfig:
+    """How trajectories are generated. Field comments are the documentation."""
+
+    backend: str = "torch"  # "torch": embedded darl-engine processes; "sglang": SGLang servers
+    engine_urls: list[str] = field(default_factory=list)  # sglang: servers to use (empty: launcher starts them)
+    num_engines: int = 1  # engines the launcher starts (embedded: processes on this node)
+    engine_threads: int = 1  # torch threads per embedded engine (1 beats 2 on a shared 2-core box)
+    api_key: str | None = None  # sent as Bearer token; the embedded engine requires it when set
+    group_size: int = 8  # G: responses sampled per prompt (a group is never split)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    pause_mode: str = "abort"  # how engines pause for a weight update: abort | retract | in_place
+    partial_rollout: bool = True  # keep interrupted responses and continue them under new weights
+    max_concurrent_per_engine: int = 64  # in-flight requests per engine (least-loaded dispatch)
+    request_timeout_s: float = 600.0  # one /generate call; a hung engine is marked down after it
+    max_retries: int = 3  # transport retries with exponential backoff before an engine is marked down
+    filter_equal_rewards: bool = False  # DAPO-style: drop groups whose rewards are all equal
+    # how versions reach engines: "shm" (HF folder in /dev/shm, embedded engines on this node), "disk"
+    # (folder on a shared file system), "distributed" (broadcast over a process group through SGLang's
+    # /update_weights_from_distributed: NCCL on GPUs, gloo on CPU; no file), "auto" (shm embedded, disk sglang)
+    weight_sync: str = "auto"
+    weight_sync_timeout_s: float = 120.0  # distributed: bound of every join and broadcast of the weight groups
+
+    _choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "backend": ("torch", "sglang"),
+        "pause_mode": PAUSE_MODES,
+        "weight_sync": ("auto", "shm", "disk", "distributed"),
+    }
+
+    def check(self) -> list[tuple[str, str]]:
+        errs: list[tuple[str, str]] = []
+        if self.group_size < 1:
+            errs.append(("group_size", "must be >= 1"))
+        if self.max_new_tokens < 1:
+            errs.append(("max_new_tokens", "must be >= 1"))
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            errs.append(("temperature", "must be finite and > 0 (behavior log-probs are taken under it)"))
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            errs.append(("top_p", "must be in (0, 1]"))
+        if self.top_k != -1 and self.top_k < 1:
+            errs.append(("top_k", "must be -1 (no truncation) or >= 1"))
+        if self.max_concurrent_per_engine < 1:
+            errs.append(("max_concurrent_per_engine", "must be >= 1"))
+        if not self.partial_rollout and self.pause_mode != "abort":
+            errs.append(("partial_rollout", "false (restart interrupted samples) needs pause_mode=abort: "
+                         "retract/in_place keep requests on the engine, which continue them"))
+        if not self.weight_sync_timeout_s > 0:
+            errs.append(("weight_sync_timeout_s", "must be > 0 (every collective of a weight group is bounded)"))
+        if self.num_engines < 1 and not self.engine_urls:
+            errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
+        return errs

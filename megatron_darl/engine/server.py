@@ -1,0 +1,435 @@
+"""`darl-engine`: the embedded rollout engine, serving SGLang's HTTP protocol over `Decoder`.
+
+What it is: an aiohttp server with one background decode loop. Concurrent /generate requests
+decode together (continuous batching: they join between steps and leave when finished);
+/pause_generation stops the loop between steps (abort: in-flight requests return their
+partial output with finish_reason abort; retract/in_place: they stay and continue after
+/continue_generation); /update_weights_from_disk swaps weights between steps and bumps the
+version, and running sequences continue under the new weights with their KV recomputed.
+Answers have SGLang 0.5.23's shape, per-token versions in `meta_info.weight_versions` spans
+(`requests.py` validates requests and writes answers; docs/sglang_protocol.md lists
+the routes and fields). The same weight route serves the shared-memory variant: a learner on
+the node publishes its HF folder under /dev/shm and passes that path.
+Robustness: every request field is validated (400 naming it); a failure while decoding fails
+the requests it concerns (500, logged), never the loop; decoding and weight loading run off the
+event loop, so /health and control routes answer while 256 sequences decode; weights with
+NaN/Inf are refused (400, old weights kept) and /health_generate checks that the model still
+produces finite log-probs; SIGTERM ends in-flight requests (503) and stops at once.
+The distributed update (`/init_weights_update_group`, `/update_weights_from_distributed`,
+`/destroy_weights_update_group`: gloo on CPU) is `weight_group.py`.
+What it is not: a tokenizer (input_ids only), a streaming server, or a receiver of
+`/update_weights_from_tensor` (answers 400).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import math
+import os
+import sys
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
+from megatron_darl.engine.requests import BadRequest, parse_generate, read_json_body, response_json
+from megatron_darl.engine.weight_group import WeightGroupRoutes
+from megatron_darl.types import PAUSE_MODES, SamplingParams
+
+log = logging.getLogger("darl-engine")
+
+HEALTH_TIMEOUT_S = 20.0  # as SGLang's HEALTH_CHECK_TIMEOUT: no decode progress for this long is unhealthy
+LISTEN_BACKLOG = 2048  # hundreds of clients connect at once when a run starts (the default is 128)
+
+
+class EngineFailure(RuntimeError):
+    """Decoding failed for a request (answered with HTTP 500; the engine goes on)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping (answered with HTTP 503)."""
+
+
+def _field(body: dict, name: str, kinds: type | tuple[type, ...], default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    # bool is an int subclass: reject `true` where a number is wanted
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise BadRequest(f"field '{name}' must be {kinds}, got {type(value).__name__} {value!r}")
+    return value
+
+
+class EngineServer:
+    """The HTTP routes and the decode loop around one Decoder. The decoder is only touched on
+    the single worker thread, and only under `step_lock`, so weight swaps, aborts and joins
+    all happen between decode steps."""
+
+    def __init__(self, decoder: Decoder, model_path: str, api_key: str | None = None):
+        self.decoder = decoder
+        self.model_path = model_path
+        self.api_key = api_key
+        self.pending: deque[Sequence] = deque()
+        self.futures: dict[str, asyncio.Future] = {}
+        self.started_at: dict[str, float] = {}
+        self.paused = False
+        self.closing = False
+        self.broken: str | None = None  # the model produced non-finite logits; cleared by a good probe or load
+        self.steps = 0  # decode steps completed (health: progress while busy)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="darl-decode")
+        self.step_lock: asyncio.Lock | None = None
+        self.wake: asyncio.Event | None = None
+        self.progress: asyncio.Condition | None = None
+        self.loop_task: asyncio.Task | None = None
+
+    # ---- decode loop -------------------------------------------------------------------
+    async def aloop(self) -> None:
+        """Decode until cancelled. Nothing a request does can end this loop: a failure fails
+        the requests it concerns (logged) and the loop goes on."""
+        while True:
+            if self.paused or not (self.decoder.rows or self.pending):
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                await self._astep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug outside decode itself: fail what is running, keep serving
+                log.exception("decode loop: unexpected failure; failing the running requests")
+                async with self.step_lock:
+                    self._fail(self.decoder.remove(None), f"engine error: {exc!r}")
+            await asyncio.sleep(0)  # let HTTP handlers (pause, new requests) in between steps
+
+    async def _astep(self) -> None:
+        async with self.step_lock:
+            if self.paused:
+                return
+            while self.pending and self.decoder.free_slots > 0:
+                seq = self.pending.popleft()
+                try:
+                    self.decoder.add(seq)
+                except Exception as exc:  # validated at the door, so this is a bug: this request only
+                    log.exception("request %s could not join the batch", seq.rid)
+                    self._fail([seq], f"request could not start: {exc!r}")
+            if not self.decoder.rows:
+                return
+            try:
+                finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.decoder.step)
+            except Exception as exc:
+                seqs = self.decoder.remove(None)
+                log.exception("decode step failed; failing its %d request(s)", len(seqs))
+                self._fail(seqs, f"decode step failed: {exc!r}")
+                return
+            self.steps += 1
+        for seq in finished:
+            if seq.error is not None:
+                log.error("request %s failed: %s", seq.rid, seq.error)
+                self.broken = seq.error
+                self._fail([seq], seq.error)
+            else:
+                self._resolve(seq)
+        async with self.progress:
+            self.progress.notify_all()
+
+    def _resolve(self, seq: Sequence) -> None:
+        fut = self.futures.pop(seq.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(seq)
+
+    def _fail(self, seqs: list[Sequence], message: str, kind: type[Exception] = EngineFailure) -> None:
+        for seq in seqs:
+            fut = self.futures.pop(seq.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(kind(message))
+
+    def _abort(self, rid: str | None, message: str) -> int:
+        """End running and waiting requests (all when rid is None) with finish_reason abort.
+        Call only under step_lock."""
+        seqs = self.decoder.remove(rid)
+        seqs += [s for s in self.pending if rid is None or s.rid == rid]
+        self.pending = deque(s for s in self.pending if not (rid is None or s.rid == rid))
+        for s in seqs:
+            s.finish = {"type": "abort", "message": message}
+            self._resolve(s)
+        return len(seqs)
+
+    # ---- routes ------------------------------------------------------------------------
+    async def agenerate(self, request: web.Request) -> web.Response:
+        if self.closing:
+            raise ShuttingDown("the engine is shutting down")
+        items, batched = parse_generate(await read_json_body(request), self.decoder.spec.vocab_size)
+        started = time.monotonic()
+        dup = [rid for rid, _, _ in items if rid in self.futures]
+        if dup or len({rid for rid, _, _ in items}) != len(items):
+            raise BadRequest(f"field 'rid': request id {(dup or [items[0][0]])[0]!r} is already in flight")
+        limit = self.decoder.spec.max_positions
+        for rid, ids, _ in items:
+            if len(ids) >= limit:
+                raise BadRequest(f"field 'input_ids': {len(ids)} tokens; the model allows at most {limit - 1}")
+        futs = []
+        for rid, ids, sp in items:
+            futs.append(asyncio.get_running_loop().create_future())
+            self.futures[rid] = futs[-1]
+            self.pending.append(Sequence(rid=rid, tokens=ids, prompt_len=len(ids), sampling=sp))
+        self.wake.set()
+        try:
+            seqs = await asyncio.gather(*futs)
+        except asyncio.CancelledError:  # client went away: free its rows
+            async with self.step_lock:
+                for rid, _, _ in items:
+                    self._abort(rid, "client disconnected")
+            raise
+        except (EngineFailure, ShuttingDown):
+            async with self.step_lock:  # the other prompts of a batched request end too
+                for rid, _, _ in items:
+                    self._abort(rid, "another prompt of the same request failed")
+            raise
+        latency = time.monotonic() - started
+        out = [response_json(s.rid, s.output_ids, s.logprobs, s.versions, s.finish, s.prompt_len, latency,
+                             self.decoder.version) for s in seqs]
+        return web.json_response(out if batched else out[0])
+
+    async def apause(self, request: web.Request) -> web.Response:
+        body = await read_json_body(request, allow_empty=True)
+        # retract and in_place both keep requests and their KV here (nothing else competes
+        # for the memory); the KV is recomputed only if the weights change before continue
+        mode = _field(body, "mode", str, "abort")
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"field 'mode' must be one of {PAUSE_MODES}, got {mode!r}")
+        self.paused = True
+        async with self.step_lock:  # returns only once the step in progress has finished
+            if mode == "abort":
+                self._abort(None, "generation paused with mode abort")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def acontinue(self, request: web.Request) -> web.Response:
+        await read_json_body(request, allow_empty=True)
+        self.paused = False
+        self.wake.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def aabort_request(self, request: web.Request) -> web.Response:
+        body = await read_json_body(request, allow_empty=True)
+        rid = _field(body, "rid", str, None)
+        abort_all = _field(body, "abort_all", bool, False)
+        if not rid and not abort_all:
+            raise BadRequest("field 'rid' is required unless 'abort_all' is true")
+        async with self.step_lock:
+            self._abort(None if abort_all else rid, "aborted by /abort_request")
+        return web.Response(status=200)
+
+    async def aupdate_from_disk(self, request: web.Request) -> web.Response:
+        body = await read_json_body(request)
+        path = _field(body, "model_path", str)
+        if not path:
+            raise BadRequest("field 'model_path' is required: an HF folder (config.json + *.safetensors)")
+        raw_version = _field(body, "weight_version", (str, int), None)
+        try:
+            version = self.decoder.version + 1 if raw_version is None else int(raw_version)
+        except ValueError:
+            raise BadRequest(f"field 'weight_version' must be an integer, got {raw_version!r}") from None
+        abort_all = _field(body, "abort_all_requests", bool, False)
+        async with self.step_lock:
+            if abort_all:
+                self._abort(None, "aborted for a weight update")
+            try:  # off the event loop: health and control routes answer during a long load
+                await asyncio.get_running_loop().run_in_executor(self.executor, self.decoder.load_weights, path)
+            except (WeightLoadError, OSError) as exc:
+                msg = f"weights at {path} not loaded, version stays {self.decoder.version}: {exc}"
+                log.error("%s", msg)
+                return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
+            self.decoder.version = version
+            self.model_path = path
+            self.broken = None
+            waiting = len(self.decoder.rows) + len(self.pending)
+        log.info("loaded weights from %s as version %d", path, version)
+        return web.json_response({
+            "success": True,
+            "message": f"Loaded weights from {path} as version {version}.",
+            "num_paused_requests": waiting if self.paused else 0,
+        })
+
+    async def aunsupported(self, request: web.Request) -> web.Response:
+        msg = (f"{request.path} is not supported on the embedded engine; publish an HF folder and "
+               "use /update_weights_from_disk (a /dev/shm path for a learner on the same node)")
+        return web.json_response({"success": False, "message": msg}, status=400)
+
+    async def ahealth(self, request: web.Request) -> web.Response:
+        """Liveness: the decode loop runs (it never ends by itself; this catches a bug)."""
+        if self.loop_task is not None and self.loop_task.done():
+            return web.json_response({"error": "decode loop stopped"}, status=503)
+        if self.closing:
+            return web.json_response({"error": "shutting down"}, status=503)
+        return web.Response(status=200)
+
+    async def ahealth_generate(self, request: web.Request) -> web.Response:
+        """Readiness, as SGLang decides it: a paused engine answers 503 (SGLang's probe waits
+        behind the pause and times out); a busy one is healthy when a decode step completes
+        within HEALTH_TIMEOUT_S (its probe never waits behind a full batch) and the model
+        gives finite logits; an idle one decodes one greedy token and checks its log-prob."""
+        bad = await self.ahealth(request)
+        if bad.status != 200:
+            return bad
+        if self.paused:
+            return web.json_response({"error": "generation is paused (/continue_generation resumes it)"}, status=503)
+        if self.decoder.rows or self.pending:
+            start = self.steps
+            async with self.progress:
+                try:
+                    await asyncio.wait_for(self.progress.wait_for(lambda: self.steps > start), HEALTH_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    return web.json_response({"error": f"no decode step in {HEALTH_TIMEOUT_S:.0f} s"}, status=503)
+            if self.broken is None:
+                return web.Response(status=200)
+        return await self._aprobe()
+
+    async def _aprobe(self) -> web.Response:
+        rid = f"health-{uuid.uuid4().hex}"
+        fut = asyncio.get_running_loop().create_future()
+        self.futures[rid] = fut
+        probe = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+        self.pending.append(Sequence(rid=rid, tokens=[0], prompt_len=1, sampling=probe))
+        self.wake.set()
+        try:
+            seq = await asyncio.wait_for(asyncio.shield(fut), timeout=HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineFailure, ShuttingDown) as exc:
+            async with self.step_lock:  # do not leave the probe behind in the batch
+                self._abort(rid, "health probe ended")
+            return web.json_response({"error": f"health generation failed: {exc}"}, status=503)
+        if not all(math.isfinite(lp) for lp in seq.logprobs):
+            return web.json_response({"error": f"the model gives non-finite log-probs {seq.logprobs}"}, status=503)
+        self.broken = None
+        return web.Response(status=200)
+
+    async def amodel_info(self, request: web.Request) -> web.Response:
+        s = self.decoder.spec
+        return web.json_response({
+            "model_path": self.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "weight_version": str(self.decoder.version),
+            "architectures": [s.arch],
+            "vocab_size": s.vocab_size,
+            "max_positions": s.max_positions,
+        })
+
+    async def aserver_info(self, request: web.Request) -> web.Response:
+        """Scheduler state (SGLang has /get_server_info): what is running and how far along."""
+        return web.json_response({
+            "weight_version": str(self.decoder.version),
+            "paused": self.paused,
+            "max_batch": self.decoder.max_batch,
+            "num_waiting": len(self.pending),
+            "running": [{"rid": s.rid, "generated": len(s.output_ids)} for s in self.decoder.rows],
+            "tokens_generated": self.decoder.tokens_generated,
+        })
+
+    async def aflush_cache(self, request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed (the embedded engine keeps no prefix cache).")
+
+    # ---- app ---------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
+        r = app.router
+        r.add_post("/generate", self.agenerate)
+        r.add_post("/pause_generation", self.apause)
+        r.add_post("/continue_generation", self.acontinue)
+        r.add_post("/abort_request", self.aabort_request)
+        r.add_post("/update_weights_from_disk", self.aupdate_from_disk)
+        r.add_post("/update_weights_from_tensor", self.aunsupported)
+        WeightGroupRoutes(self).add_routes(r)  # the distributed update (weight_group.py)
+        for route, handler in (("/health", self.ahealth), ("/health_generate", self.ahealth_generate),
+                               ("/model_info", self.amodel_info), ("/get_model_info", self.amodel_info),
+                               ("/server_info", self.aserver_info), ("/get_server_info", self.aserver_info),
+                               ("/flush_cache", self.aflush_cache)):
+            r.add_get(route, handler)
+        r.add_post("/flush_cache", self.aflush_cache)
+        app.on_startup.append(self._astart)
+        app.on_shutdown.append(self._ashutdown)
+        app.on_cleanup.append(self._astop)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if self.api_key is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return web.json_response({"error": "missing or wrong API key (send 'Authorization: Bearer KEY')"}, status=401)
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except EngineFailure as exc:
+            return web.json_response({"error": str(exc)}, status=500)
+        except ShuttingDown as exc:
+            return web.json_response({"error": str(exc)}, status=503)
+
+    async def _astart(self, app: web.Application) -> None:
+        self.step_lock, self.wake, self.progress = asyncio.Lock(), asyncio.Event(), asyncio.Condition()
+        self.loop_task = asyncio.create_task(self.aloop())
+
+    async def _ashutdown(self, app: web.Application) -> None:
+        """SIGTERM: answer every open request now (503), so that no handler holds the exit."""
+        self.closing = True
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+        waiting = len(self.futures)
+        for fut in self.futures.values():
+            if not fut.done():
+                fut.set_exception(ShuttingDown("the engine is shutting down"))
+        self.futures.clear()
+        log.info("shutting down; %d open request(s) answered 503", waiting)
+
+    async def _astop(self, app: web.Application) -> None:
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: str | None = None,
+                   threads: int = 1, max_batch: int = 64, python: str = sys.executable) -> list[str]:
+    """The argv that starts one engine (what `darl-engine` runs), for launchers and restarts."""
+    cmd = [python, "-m", "megatron_darl.engine", "--model", str(model_dir), "--host", host,
+           "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
+    return cmd + (["--api-key", api_key] if api_key else [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`darl-engine --model HF_DIR --host 127.0.0.1 --port P [--api-key K] [--threads N] [--max-batch N]`."""
+    ap = argparse.ArgumentParser(prog="darl-engine", description="Embedded rollout engine speaking SGLang's HTTP protocol.")
+    ap.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--api-key", default=os.environ.get("DARL_ENGINE_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every request (default: $DARL_ENGINE_API_KEY)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 beats 2 on a shared small box)")
+    ap.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
+    ap.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without a seed")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        decoder = Decoder(args.model, device=device, max_batch=args.max_batch, seed=args.seed)
+    except (WeightLoadError, OSError) as exc:
+        sys.exit(f"darl-engine: cannot load --model {args.model}: {exc}")
+    server = EngineServer(decoder, str(Path(args.model)), api_key=args.api_key)
+    print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device}, serving http://{args.host}:{args.port}", flush=True)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
+                backlog=LISTEN_BACKLOG, shutdown_timeout=5.0)
+
+
+if __name__ == "__main__":
+    main()

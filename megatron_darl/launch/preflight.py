@@ -1,0 +1,70 @@
+"""Checks against this machine before a run starts: files, folders, the warm start, the layout.
+
+What it is: `preflight(cfg)`, the list of problems that stop a run before anything starts (each
+naming its key): the model folder and data files exist, the data sources read and fit
+`data.prompt_template`, the built-in model's warm start has reference answers, the run and
+checkpoint folders take files, the model's shapes fit the parallel layout and the learner fits
+in GPU memory (`learner/checks.py`). `darl-train` and every Slurm trainer task run it.
+What it is not: validation of the config's keys (`config/`, which any recipe passes anywhere,
+so that it prints with --print-config on a laptop).
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_darl.config import RunConfig
+from megatron_darl.config.data import DataConfig
+
+
+def preflight(cfg: RunConfig) -> list[str]:
+    """Checks against this machine before a run starts (not part of validation, so that any
+    recipe prints with --print-config anywhere): model folder and data files exist, what
+    `_machine_checks` checks, the model's shapes fit the parallel layout and the learner fits in
+    GPU memory."""
+    errors = [f"data.{k}: {m}" for k, m in cfg.data.missing_files()]
+    hf = cfg.model.hf_dir
+    if not hf.startswith("builtin:") and not os.path.isfile(os.path.join(hf, "config.json")):
+        errors.append(f"model.hf_dir: no config.json in {hf!r} (a Hugging Face model folder is expected)")
+    tok = cfg.model.tokenizer
+    if tok and not tok.startswith("builtin:") and not os.path.isdir(tok):
+        errors.append(f"model.tokenizer: folder not found: {tok!r}")
+    from megatron_darl.learner.checks import learner_checks
+
+    return errors + _machine_checks(cfg) + learner_checks(cfg)
+
+
+def _machine_checks(cfg: RunConfig) -> list[str]:
+    """Data, warm start and run folders, checked before anything starts: the data sources read
+    and their records fit `data.prompt_template`, the built-in model's warm start has reference
+    answers, the ring buffer fits in /dev/shm (local runs), and the run and checkpoint folders
+    take files (a probe file, not permission bits)."""
+    from megatron_darl.launch import warmstart
+    from megatron_darl.trainer.checkpoints import writable_problem
+
+    errors = data_checks(cfg.data) + warmstart.check_answers(cfg)
+    if cfg.launch.mode == "local":  # on Slurm the ring lives on the first trainer node: checked there
+        from megatron_darl.channel.shm_space import shm_space_problem
+
+        errors += [f"ring.size_bytes: {p}" for p in [shm_space_problem(cfg.ring.size_bytes)] if p]
+    for key, folder, what in (("train.run_dir", cfg.train.run_dir, "run folder"),
+                              ("checkpoint.dir", cfg.checkpoint_dir, "checkpoint folder")):
+        problem = writable_problem(folder, what, create=False)
+        if problem:
+            errors.append(f"{key}: {problem}")
+    return errors
+
+
+def data_checks(data: DataConfig) -> list[str]:
+    """The data sources read, their records fit `data.prompt_template`, and where a split holds
+    code tasks, the code sandbox runs on this machine (a machine that cannot run it would score
+    every answer 0)."""
+    from megatron_darl.data.sources import check_sources
+
+    errors, code_key = check_sources(data)
+    if code_key:
+        from megatron_darl.rewards.sandbox import sandbox_problem
+
+        problem = sandbox_problem()
+        errors += [f"data.{code_key}: code tasks, but {problem}"] if problem else []
+    return errors

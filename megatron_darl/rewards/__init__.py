@@ -1,0 +1,8 @@
+"""Rewards: math-verify grading, reasoning-gym verifiers, sandboxed code tests, user reward
+functions, all run by `RewardPool` in worker processes with a per-item time limit."""
+
+from megatron_darl.config.rewards import RewardConfig
+from megatron_darl.rewards.api import RewardFn, RewardInput, RewardResult, TASK_KINDS
+from megatron_darl.rewards.pool import RewardPool
+
+__all__ = ["RewardConfig", "RewardFn", "RewardInput", "RewardPool", "RewardResult", "TASK_KINDS"]

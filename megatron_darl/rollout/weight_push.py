@@ -1,0 +1,49 @@
+"""The rollout manager's half of `rollout.weight_sync=distributed`: one version pushed to engines.
+
+What it is: `apush_distributed`, which asks the learner (through `channel/weight_transfer.py`)
+to broadcast a version to the paused engines that do not serve it yet, and finishes what the
+broadcast could not do: an engine that failed loads the learner's fallback folder from disk, an
+engine that gets neither is marked down.
+What it is not: the broadcast itself (the trainer's `weight_sender.py`, and each engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from megatron_darl.channel.weight_transfer import TransferClient, group_name
+from megatron_darl.types import WeightVersion
+
+log = logging.getLogger(__name__)
+
+
+async def apush_distributed(client: TransferClient, weights: WeightVersion, slots: list,
+                            aop: Callable[..., Any], count: dict, mark_down: Callable[[Any, str], None]) -> None:
+    """Have the learner push `weights` (or newer) to `slots`; set each slot's version to what it
+    now serves. Engines that failed load the learner's fallback folder; an engine that gets
+    neither is marked down. `aop(slot, what, make)` is the manager's bounded control call."""
+    todo = [s for s in slots if s.version != weights.version]
+    if not todo:
+        return
+    engines = [{"index": s.index, "url": s.engine.url, "group": group_name(s.index, s.incarnation)} for s in todo]
+    try:
+        result = await client.arequest(weights.version, engines)
+    except (TimeoutError, ValueError, OSError) as exc:
+        for s in todo:
+            mark_down(s, f"distributed weight update failed: {exc}")
+        return
+    for s in todo:
+        if s.index in result.ok:
+            s.version = result.version
+            continue
+        why = result.failed.get(s.index, "not in the learner's answer")
+        if result.fallback is None:
+            mark_down(s, f"distributed weight update failed and no fallback folder: {why}")
+            continue
+        log.warning("engine %d (%s): broadcast of version %d failed (%s); loading %s from disk instead",
+                    s.index, s.engine.url, result.version, why, result.fallback)
+        count["weight_sync_fallbacks"] += 1
+        folder = WeightVersion(version=result.version, kind="disk", location=result.fallback)
+        if await aop(s, "update_weights (disk fallback)", lambda s=s: s.engine.aupdate_weights(folder)):
+            s.version = result.version

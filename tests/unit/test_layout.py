@@ -1,0 +1,167 @@
+"""The package's layout shows its processes, and reads top-down.
+
+- No module imports, even inside a function or for type checking only, a module that imports it
+  back (cycles there were config <-> learner checks <-> memory plan <-> warm start, the launcher's
+  local/Slurm placements, the rollout manager and its process entry, the trainer's rank and loop):
+  a cycle makes the order of first imports matter and hides which module is the lower one.
+- One folder per process over the channel they share: folders import one way (at most one pair
+  of folders imports each other), at most four loose modules sit at the package root, and no
+  folder holds more than a fifth of the package's lines.
+- `config/` imports no process's code, `algo/` and `channel/` import no process's code either, and a
+  name means one thing: no two modules share a file name among the ones that used to collide
+  (cli, session, runner, preflight)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_darl"
+PROCESS_FOLDERS = {"trainer", "learner", "rollout", "engine", "rewards", "data", "eval", "launch"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every package module `path` imports anywhere in its body."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out & known
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def _folder(module: str) -> str | None:
+    """The package folder a module lives in; None for a loose module at the root (or the package)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    path = _modules()[module]
+    return parts[1] if path.parent != PACKAGE else None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _folder_edges() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = {}
+    for m, targets in _graph().items():
+        for t in targets:
+            a, b = _folder(m), _folder(t)
+            if a and b and a != b:
+                edges.setdefault((a, b), []).append(f"{m} -> {t}")
+    return edges
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert _cycles(_graph()) == []
+
+
+def test_folders_import_one_way():
+    edges = _folder_edges()
+    pairs = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    assert len(pairs) <= 1, {p: edges[p] + edges[(p[1], p[0])] for p in pairs}
+
+
+def test_config_algo_and_channel_import_no_process():
+    edges = _folder_edges()
+    for low in ("config", "algo", "channel"):
+        bad = {k: v for k, v in edges.items() if k[0] == low and k[1] in PROCESS_FOLDERS}
+        assert not bad, bad
+    assert not {k: v for k, v in edges.items() if k[0] == "config" and k[1] != "algo"}
+    algo_config = PACKAGE / "algo" / "config.py"  # liftable with the maths: it imports nothing of ours
+    assert not _imports(algo_config, set(_modules())), "algo/config.py imports the package"
+
+
+def test_few_loose_modules_at_the_root():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 4, loose
+
+
+def test_no_folder_holds_more_than_a_fifth_of_the_package():
+    lines = Counter()
+    for path in PACKAGE.rglob("*.py"):
+        folder = path.relative_to(PACKAGE).parts[0] if path.parent != PACKAGE else "<root>"
+        lines[folder] += len(path.read_text().splitlines())
+    total = sum(lines.values())
+    shares = {f: round(n / total, 3) for f, n in lines.most_common()}
+    assert max(shares.values()) <= 0.20, shares
+
+
+def test_a_module_name_means_one_thing():
+    names = Counter(p.name for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py", "api.py"))
+    assert not {n: c for n, c in names.items() if c > 1}
+    assert not list(PACKAGE.rglob("runner.py")) and len(list(PACKAGE.rglob("cli.py"))) == 1
+    assert [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*preflight*.py")] == ["launch/preflight.py"]
+
+
+def test_every_process_folder_has_its_entry():
+    for folder in ("trainer", "rollout", "engine"):
+        assert (PACKAGE / folder / "__main__.py").is_file(), folder
+
+
+def test_tests_import_their_helpers_as_a_package():
+    """Shared harnesses live once, in `tests/helpers/`, imported by name: no test edits sys.path."""
+    tests = PACKAGE.parent / "tests"
+    offenders = [str(p.relative_to(tests)) for p in tests.rglob("*.py") if "sys.path.insert" in p.read_text()
+                 and p.name != "test_layout.py"]
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("first", ["megatron_darl.config", "megatron_darl.learner.checks",
+                                   "megatron_darl.learner.memory_plan", "megatron_darl.launch.warmstart",
+                                   "megatron_darl.launch.slurm_job", "megatron_darl.launch.slurm",
+                                   "megatron_darl.launch.local", "megatron_darl.rollout.manager_process",
+                                   "megatron_darl.rollout.manager", "megatron_darl.trainer.loop",
+                                   "megatron_darl.trainer.rank", "megatron_darl.algo.config"])
+def test_each_module_of_the_old_circles_imports_first(first):
+    out = subprocess.run([sys.executable, "-c", f"import {first}"], capture_output=True, text=True, timeout=120,
+                         cwd=str(PACKAGE.parent))
+    assert out.returncode == 0, out.stderr[-2000:]
