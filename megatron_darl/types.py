@@ -1,8 +1,12 @@
-"""The only values that cross process boundaries: trajectories, train batches, weight versions.
+"""The only values that cross process boundaries: trajectories, train batches, weight versions,
+and the generate requests and responses of the engine protocol.
 
 What it is: plain dataclasses over numpy arrays, with a flat-array form (`to_arrays` /
 `from_arrays`) that the shared-memory ring buffer stores byte for byte and reads back as
 zero-copy views. No pickle anywhere: every field is a fixed-dtype array or UTF-8 JSON bytes.
+`SamplingParams`, `GenerateRequest` and `GenerateResponse` are what the rollout manager and
+evaluation send to an engine over SGLang's HTTP protocol and get back (the bodies are built and
+parsed in `rollout/sglang_requests.py` and `engine/requests.py`).
 What it is not: a container for model state or config; those never leave their process.
 """
 

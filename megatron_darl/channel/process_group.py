@@ -10,7 +10,6 @@ What it is not: the learner's own TP/PP/DP groups (`learner/parallel.py`).
 from __future__ import annotations
 
 
-
 def init_custom_group(master_address: str, master_port: int, world_size: int, group_name: str, rank: int = 0,
                       backend: str = "nccl", timeout_s: float = 600.0):
     """A process group beside the default one (or without one), rendezvous over TCP at

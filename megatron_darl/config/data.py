@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-
 FORMATS = ("auto", "gsm8k", "math500", "aime24", "livecodebench", "custom")
-
-
 SOURCE_KINDS = ("reasoning_gym", "jsonl", "parquet", "humaneval")
 
 

@@ -1,5 +1,4 @@
-"""The `eval` config section: held-out evaluation before, during and after training.
-"""
+"""The `eval` config section: held-out evaluation before, during and after training."""
 
 from __future__ import annotations
 
