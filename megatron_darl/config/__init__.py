@@ -5,7 +5,7 @@ dotted overrides and validates them, naming the key, the file and the line. Ever
 this package; it imports no process's code.
 """
 
-from megatron_darl.config.load import ConfigError, load_config, save_resolved, to_yaml, validate
+from megatron_darl.config.load import ConfigError, load_config, save_resolved, to_yaml
 from megatron_darl.config.run import RunConfig
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "save_resolved", "to_yaml", "validate"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "save_resolved", "to_yaml"]

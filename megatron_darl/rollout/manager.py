@@ -33,8 +33,7 @@ from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, wei
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import RolloutEngine
 from megatron_darl.rollout.workflow import Episode, RolloutWorkflow, SampleState
-from megatron_darl.types import GenerateRequest, GenerateResponse, SamplingParams
-from megatron_darl.types import Trajectory, WeightVersion
+from megatron_darl.types import GenerateRequest, GenerateResponse, SamplingParams, Trajectory, WeightVersion
 
 log = logging.getLogger(__name__)
 

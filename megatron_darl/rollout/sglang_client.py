@@ -19,8 +19,7 @@ import aiohttp
 
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout import sglang_requests as rq
-from megatron_darl.types import GenerateRequest, GenerateResponse
-from megatron_darl.types import WeightVersion
+from megatron_darl.types import GenerateRequest, GenerateResponse, WeightVersion
 
 RETRY_STATUSES = (502, 503, 504)  # proxies and starting servers answer these; worth another try
 # connections kept beside the generation ones, so that pause/update/resume/health calls never

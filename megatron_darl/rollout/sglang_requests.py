@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megatron_darl.types import PAUSE_MODES, GenerateRequest, GenerateResponse
-from megatron_darl.types import FINISH_REASONS
+from megatron_darl.types import FINISH_REASONS, GenerateRequest, GenerateResponse, PAUSE_MODES
 
 # The SGLang release this protocol is written and tested against (setup.py's `sglang` extra
 # pins it; tests/sglang_release.py reads that release's own source). See docs/sglang_protocol.md.

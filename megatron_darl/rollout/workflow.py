@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from megatron_darl.config.rollout import RolloutConfig
-from megatron_darl.types import GenerateResponse, SamplingParams
-from megatron_darl.types import Trajectory
+from megatron_darl.types import GenerateResponse, SamplingParams, Trajectory
 
 _SEED_MOD = 2**31 - 1  # SGLang seeds are int32-ranged
 

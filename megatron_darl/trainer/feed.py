@@ -31,8 +31,7 @@ import time
 from typing import Callable
 
 from megatron_darl.channel.shm_ring import ShmRing
-from megatron_darl.trainer.replay_store import ReplayStore
-from megatron_darl.trainer.replay_store import Candidates
+from megatron_darl.trainer.replay_store import Candidates, ReplayStore
 
 
 class ReplayFeed:

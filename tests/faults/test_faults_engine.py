@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -37,19 +35,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from megatron_darl.channel.ports import free_port  # noqa: E402
 from megatron_darl.engine.decoder import Decoder  # noqa: E402
 from megatron_darl.engine.server import EngineServer, engine_command  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False,
-            eos_token_id=95, bos_token_id=94)
-
-
-def save_tiny(path: Path, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(str(path))
-    return path
+from tests.helpers import REPO, repo_env  # noqa: E402
+from tests.helpers.engines import running_engines, save_tiny  # noqa: E402
 
 
 def save_nan_copy(src: Path, dst: Path) -> Path:
@@ -59,12 +49,6 @@ def save_nan_copy(src: Path, dst: Path) -> Path:
     tensors = load_file(str(src / "model.safetensors"))
     save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, str(dst / "model.safetensors"))
     return dst
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(url: str, route: str, body: dict | str | None = None, timeout: float = 60) -> tuple[int, dict | str]:
@@ -90,30 +74,10 @@ def generate(url: str, sampling: dict | str, rid: str = "r", timeout: float = 60
 
 
 @contextmanager
-def engine(model: Path, log: Path):
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = open(log, "w")
-    proc = subprocess.Popen(engine_command(str(model), port, max_batch=16), stdout=out, stderr=subprocess.STDOUT,
-                            env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if call(url, "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"darl-engine did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        out.close()
+def engine(model: Path, log_dir: Path):
+    """One darl-engine on `model` (its log: `<log_dir>/engine0.log`): (url, process)."""
+    with running_engines([(model, None)], log_dir, max_batch=16, startup_s=90) as started:
+        yield started[0]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +85,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults-engine")
     save_tiny(root / "v0", 0)
     save_nan_copy(root / "v0", root / "nan")
-    with engine(root / "v0", root / "engine.log") as (url, proc):
+    with engine(root / "v0", root) as (url, proc):
         yield {"root": root, "url": url, "proc": proc}
 
 
@@ -213,16 +177,15 @@ def test_a_malformed_weights_file_gets_a_400_naming_file_and_cause(world, shape,
 
 @pytest.mark.timeout(120)
 def test_an_engine_does_not_start_on_nan_weights(world, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(engine_command(str(world["root"] / "nan"), _free_port()), capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=90)
+    run = subprocess.run(engine_command(str(world["root"] / "nan"), free_port()), capture_output=True, text=True,
+                         env=repo_env(OMP_NUM_THREADS="1"), cwd=REPO, timeout=90)
     assert run.returncode != 0 and "non-finite" in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)
 def test_sigterm_with_a_waiting_request_stops_promptly(tmp_path):
     save_tiny(tmp_path / "m")
-    with engine(tmp_path / "m", tmp_path / "engine.log") as (url, proc):
+    with engine(tmp_path / "m", tmp_path) as (url, proc):
         assert call(url, "/pause_generation", {"mode": "in_place"})[0] == 200
         answers: list = []
 
@@ -249,7 +212,7 @@ def test_sigterm_with_a_waiting_request_stops_promptly(tmp_path):
 async def _serve(server: EngineServer):
     runner = web.AppRunner(server.app())
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
 
@@ -263,7 +226,8 @@ async def _apost(session, url, route, body):
 def test_a_failure_decoding_one_request_fails_that_request_only(tmp_path, caplog):
     import aiohttp
 
-    decoder = Decoder(save_tiny(tmp_path / "m"), max_batch=8)
+    save_tiny(tmp_path / "m")
+    decoder = Decoder(tmp_path / "m", max_batch=8)
     add = decoder.add
 
     def add_failing(seq):  # a defect the door's validation did not catch, for one request
@@ -300,7 +264,8 @@ def test_a_failure_decoding_one_request_fails_that_request_only(tmp_path, caplog
 def test_health_generate_detects_a_model_that_gives_nan(tmp_path):
     import aiohttp
 
-    decoder = Decoder(save_tiny(tmp_path / "m"), max_batch=8)
+    save_tiny(tmp_path / "m")
+    decoder = Decoder(tmp_path / "m", max_batch=8)
     server = EngineServer(decoder, str(tmp_path / "m"))
 
     async def main():

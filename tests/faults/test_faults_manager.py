@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -24,8 +23,8 @@ from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.rollout.workflow import GroupWorkflow
 from megatron_darl.trainer.checkpoints import RunCheckpointer
-from megatron_darl.types import GenerateRequest, GenerateResponse
-from megatron_darl.types import WeightVersion
+from megatron_darl.types import GenerateRequest, GenerateResponse, WeightVersion
+from tests.helpers.rollout_fakes import ScriptedPrompts
 
 
 class FolderEngine:
@@ -59,30 +58,6 @@ class FolderEngine:
         return not self.paused
 
 
-@dataclass
-class Prompt:
-    uid: int
-    input_ids: list[int]
-    task: str = "math"
-    answer: dict = field(default_factory=dict)
-
-
-class Prompts:
-    def __init__(self, n: int) -> None:
-        self.items, self.pos = [Prompt(100 + i, [5, 6, i % 9]) for i in range(n)], 0
-
-    def next_batch(self, n):
-        out = self.items[self.pos : self.pos + n]
-        self.pos += len(out)
-        return out
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = int(state["pos"])
-
-
 class Scorer:
     async def ascore(self, episode):
         return [float(i % 2) for i in range(len(episode.samples))]
@@ -98,7 +73,7 @@ class Sink:
 
 def make(n_prompts=6):
     cfg = RolloutConfig(group_size=2, max_new_tokens=3, max_concurrent_per_engine=4, request_timeout_s=5.0)
-    return cfg, Prompts(n_prompts), Sink()
+    return cfg, ScriptedPrompts(n_prompts), Sink()
 
 
 @pytest.mark.timeout(60)

@@ -22,10 +22,9 @@ import tempfile
 
 import pytest
 
+from tests.helpers import repo_env
 from tests.helpers.sandbox import needs_sandbox
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 pytestmark = needs_sandbox  # root and namespaces: skipped saying which is missing
 
@@ -80,7 +79,7 @@ def test_child_of_sandboxed_code_cannot_write_or_read_host_tmp_with_a_tmp_virtua
     program, driver, out = tmp_path / "program.py", tmp_path / "driver.py", tmp_path / "out.json"
     program.write_text(CHILD.replace("MARKER", repr(marker)).replace("SECRET", repr(secret)))
     driver.write_text(DRIVER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), REPO) if p))
+    env = repo_env()
     try:
         done = subprocess.run([tmp_venv, str(driver), str(program), str(out)], env=env,
                               capture_output=True, text=True, timeout=240)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parents[2])  # the repository root
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 
 
 def repo_env(env: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
@@ -21,6 +21,6 @@ def repo_env(env: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     child started as `python -m tests.helpers.<name>` (or importing megatron_darl from this
     checkout) finds it whatever its working folder."""
     base = dict(os.environ if env is None else env)
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, base.get("PYTHONPATH", "")) if p)
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)
     base.update(extra)
     return base

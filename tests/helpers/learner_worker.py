@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
+from megatron_darl.channel.ports import free_port
 from tests.helpers import repo_env
 
 
@@ -417,9 +417,7 @@ def main() -> None:
 
 def launch(name: str, args: dict, world: int, workdir: str, timeout: float = 240.0) -> dict:
     """Run scenario `name` on `world` gloo processes; rank 0's result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args_path, out_path = os.path.join(workdir, f"{name}_args.json"), os.path.join(workdir, f"{name}_{world}_out.json")
     with open(args_path, "w") as f:
         json.dump(args, f)

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.helpers import REPO
 
 REQUIRE = os.environ.get("DARL_REQUIRE_SLURM") == "1"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def cluster_problem() -> str | None:

@@ -31,13 +31,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.sync_reference import free_port
 
 from megatron_darl.algo.config import AlgoConfig
+from megatron_darl.channel.ports import free_port
 from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
 from megatron_darl.types import TrainBatch
+from tests.helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the D-ARL recipe with K=1, selection off, pmis_beta=tokens, token IS truncated at 2
 DARL_K1_TOKENS = ["algo.k=1", "algo.sg=false", "algo.pmis=true", "algo.pmis_beta=tokens",
                   "algo.policy_loss=darl", "algo.rollout_is=token", "algo.rollout_is_mode=truncate",

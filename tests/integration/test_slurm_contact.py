@@ -18,9 +18,9 @@ import pytest
 
 from megatron_darl.config import load_config
 from megatron_darl.launch.slurm import job_script
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _recorder(tmp_path: Path) -> tuple[Path, Path]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
 from tests.helpers.slurm import job_components, run_sbatch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
-REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((REPO / "slurm").glob("*.sbatch"))
 
 

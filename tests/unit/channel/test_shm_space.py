@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from megatron_darl.channel.shm_space import shm_space_problem
+from tests.helpers import REPO, repo_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_a_ring_larger_than_the_free_space_is_refused_with_both_fixes(tmp_path):
@@ -38,7 +38,7 @@ def test_demo_refuses_at_start_in_a_64mb_dev_shm(tmp_path):
            "'import sys; from megatron_darl.launch.cli import train_main; sys.exit(train_main(sys.argv[1:]))' \"$@\"")
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run, sys.executable,
                            "--config", os.path.join(REPO, "configs/cpu_demo_darl.yaml"), f"train.run_dir={tmp_path}/run"],
-                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=300)
+                          env=repo_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "darl-train: cannot start" in done.stderr
     assert "ring.size_bytes: ring.size_bytes=268435456 (256 MiB) does not fit in /dev/shm: 64 MiB free" in done.stderr

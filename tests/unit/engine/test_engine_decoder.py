@@ -10,6 +10,7 @@ import torch
 
 from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError, _truncate
 from megatron_darl.types import SamplingParams
+from tests.helpers import engines
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,23 +19,9 @@ TINY = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_he
 
 
 def save_tiny(path, arch: str = "qwen3", seed: int = 0, **overrides):
-    """A random tiny model saved as an HF folder; norms and biases randomised too so that a
-    wrong norm or a dropped bias shows in the log-probs."""
-    cfg_cls, model_cls = {
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    }[arch]
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(str(path))
-    return model
+    """A random tiny model of `TINY` saved as an HF folder; norms and biases randomised too so
+    that a wrong norm or a dropped bias shows in the log-probs."""
+    return engines.save_tiny(path, seed, config=TINY, arch=arch, random_norms=True, **overrides)
 
 
 def teacher_forced(model, seq: Sequence) -> torch.Tensor:

@@ -13,37 +13,27 @@ recipe's settings, with weight updates, and sees no engine failure.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from megatron_darl.channel.ports import free_port
 from megatron_darl.config import load_config
 from megatron_darl.engine.server import engine_command
 from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.rollout.sglang_client import SGLangClient
 from megatron_darl.rollout.workflow import GroupWorkflow
-from megatron_darl.types import GenerateRequest, SamplingParams
-from megatron_darl.types import WeightVersion
+from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
+from tests.helpers import REPO, repo_env
+from tests.helpers.engines import save_tiny
+from tests.helpers.rollout_fakes import ScriptedPrompts
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[3]
-
-
 def recipe():
     return load_config(str(REPO / "configs" / "cpu_demo_darl.yaml")).rollout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)
@@ -65,7 +55,7 @@ def test_requests_beyond_aiohttps_default_pool_are_not_connect_timeouts():
         app.router.add_post("/generate", generate)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
         client = SGLangClient.from_config(f"http://127.0.0.1:{port}", rc)
         client.connect_timeout_s, client.max_retries = 2.0, 0  # a TCP connect on loopback takes far less
@@ -80,36 +70,6 @@ def test_requests_beyond_aiohttps_default_pool_are_not_connect_timeouts():
     out = asyncio.run(main())
     errors = [r for r in out if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} of {len(out)} requests failed, e.g. {errors[0]!r}"
-
-
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False,
-            eos_token_id=95, bos_token_id=94)
-
-
-@dataclass
-class Prompt:
-    uid: int
-    input_ids: list[int]
-    task: str = "custom"
-    answer: dict = field(default_factory=dict)
-
-
-class Prompts:
-    def __init__(self, n: int) -> None:
-        self.items = [Prompt(i, [3 + i % 7, 11, 17 + i % 5, 23]) for i in range(n)]
-        self.pos = 0
-
-    def next_batch(self, n):
-        out = self.items[self.pos : self.pos + n]
-        self.pos += len(out)
-        return out
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
 
 
 class Alternating:  # rewards vary within a group, so the recipe's DAPO filter keeps it
@@ -129,16 +89,15 @@ class Sink:
 def test_one_engine_at_the_recipes_concurrency_is_never_marked_down(tmp_path):
     rc = recipe()
     for v in range(3):
-        torch.manual_seed(v)
-        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(str(tmp_path / f"v{v}"))
-    prompts = Prompts(96)  # 768 requests; at most 256 in flight, as in the demo
+        save_tiny(tmp_path / f"v{v}", v)
+    # 768 requests; at most 256 in flight, as in the demo
+    prompts = ScriptedPrompts(96, start=0, tokens=lambda i: [3 + i % 7, 11, 17 + i % 5, 23], task="custom")
     sink = Sink()
-    port = _free_port()
+    port = free_port()
     # as the launcher starts it: one decode batch as wide as the manager's concurrency
     cmd = engine_command(str(tmp_path / "v0"), port, max_batch=rc.max_concurrent_per_engine)
     log_file = open(tmp_path / "engine.log", "wb")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=repo_env(OMP_NUM_THREADS="1"))
 
     async def main():
         # as the manager process builds it, with the recipe's pool, and a tight connect bound:

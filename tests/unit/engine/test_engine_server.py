@@ -6,94 +6,20 @@ abort returns partial output, API key and malformed bodies are refused with the 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
 import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
 
-from megatron_darl.engine.server import engine_command
 from megatron_darl.rollout.sglang_client import EngineHTTPError, SGLangClient
-from megatron_darl.types import GenerateRequest, SamplingParams
-from megatron_darl.types import WeightVersion
+from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
+from tests.helpers.engines import running_engines, save_wide, teacher_forced
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[3]
 KEY = "s3cret"
-TINY = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=96, max_position_embeddings=1024, initializer_range=0.3,
-            tie_word_embeddings=False)
-
-
-def save_tiny(path: Path, seed: int, **overrides):
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    model.save_pretrained(str(path))
-    return model
-
-
-def teacher_forced(model, prompt: list[int], out: list[int], temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out])).logits[0]
-    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
-    return logp.gather(1, torch.tensor(out)[:, None]).squeeze(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _up(url: str, key: str | None) -> bool:
-    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-@contextmanager
-def engines(specs: list[tuple[Path, str | None]], log_dir: Path):
-    """Start one darl-engine per (model_dir, api_key), wait until all answer /health, and
-    always kill them on exit."""
-    procs, urls = [], []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    try:
-        for i, (model_dir, key) in enumerate(specs):
-            port = _free_port()
-            cmd = engine_command(str(model_dir), port, api_key=key, max_batch=32)
-            log = open(log_dir / f"engine{i}.log", "w")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 60
-        for i, ((_, key), proc, url) in enumerate(zip(specs, procs, urls)):
-            while not _up(url, key):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"darl-engine {url} did not start:\n{(log_dir / f'engine{i}.log').read_text()}")
-                time.sleep(0.2)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +27,10 @@ def world(tmp_path_factory):
     """Two engines on the same tiny Qwen3: a plain one and one with an API key (the latter
     also gets weight updates, so the plain one keeps version 0 throughout)."""
     root = tmp_path_factory.mktemp("engine")
-    models = {"v0": save_tiny(root / "v0", seed=0), "v1": save_tiny(root / "v1", seed=1)}
-    save_tiny(root / "wide", seed=2, intermediate_size=128)
-    with engines([(root / "v0", None), (root / "v0", KEY)], root) as (plain, keyed):
+    models = {"v0": save_wide(root / "v0", seed=0), "v1": save_wide(root / "v1", seed=1)}
+    save_wide(root / "wide", seed=2, intermediate_size=128)
+    with running_engines([(root / "v0", None), (root / "v0", KEY)], root) as started:
+        (plain, _), (keyed, _) = started
         yield {"root": root, "models": models, "plain": plain, "keyed": keyed}
 
 

@@ -16,13 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_engine_server import engines, save_tiny, teacher_forced
-
+from megatron_darl.channel.ports import free_port
 from megatron_darl.channel.process_group import init_custom_group
 from megatron_darl.rollout.sglang_client import EngineHTTPError, SGLangClient
-from megatron_darl.trainer.weight_sender import WeightSender, free_port
-from megatron_darl.types import GenerateRequest, SamplingParams
-from megatron_darl.types import WeightVersion
+from megatron_darl.trainer.weight_sender import WeightSender
+from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
+from tests.helpers.engines import running_engines, save_wide, teacher_forced
 
 
 def hf_buckets(folder) -> list[list[tuple[str, torch.Tensor]]]:
@@ -35,10 +34,10 @@ def hf_buckets(folder) -> list[list[tuple[str, torch.Tensor]]]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("wgroup")
-    save_tiny(root / "a", seed=1)
-    model_b = save_tiny(root / "b", seed=2)
-    with engines([(root / "a", None)], root) as urls:
-        yield root, model_b, urls[0]
+    save_wide(root / "a", seed=1)
+    model_b = save_wide(root / "b", seed=2)
+    with running_engines([(root / "a", None)], root) as started:
+        yield root, model_b, started[0][0]
 
 
 def sender(root, notice="notice.json") -> WeightSender:

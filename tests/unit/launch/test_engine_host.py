@@ -20,11 +20,11 @@ from megatron_darl.channel.run_info import write_marker
 from megatron_darl.config import load_config, save_resolved
 from megatron_darl.launch.engine_host import DIRECT, host_error_path, probe_path
 from megatron_darl.launch.session import make_run_info
+from tests.helpers import repo_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[3]
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False,
             eos_token_id=3, bos_token_id=2)
@@ -46,7 +46,7 @@ def _run(tmp_path, probe: bool = True, env: dict[str, str] | None = None):
     info.save()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_darl.launch.engine_host", "--run-info", info.path,
                              "--attempt", info.attempt, "--address", "127.0.0.1"],
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
+                            env=repo_env(OMP_NUM_THREADS="1", **(env or {})),
                             stdout=open(tmp_path / "host.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     return info, proc
 

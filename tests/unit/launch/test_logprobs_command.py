@@ -8,8 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import learner_worker as W
-from tests.helpers import repo_env
+from tests.helpers import learner_worker as W, repo_env
 
 
 def test_darl_logprobs_tp2_matches_transformers(tmp_path):

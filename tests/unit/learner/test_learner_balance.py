@@ -2,7 +2,6 @@
 built from each exported version), the live weights come back bit for bit, one version is plain
 IS, interpolation is flagged, and micro-batch losses add up."""
 
-import socket
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from megatron_darl import algo
 from megatron_darl.algo.config import AlgoConfig
+from megatron_darl.channel.ports import free_port
 from megatron_darl.learner.packing import micro_batch
 from megatron_darl.learner.snapshots import SNAPSHOT_BUDGET_BYTES, PolicySnapshots, choose_mode
 from megatron_darl.learner.train_step import minibatch_constants, policy_loss
@@ -107,12 +107,6 @@ def test_interpolation_is_flagged_and_exact_versions_are_used():
     assert torch.allclose(parts_logp.grad, whole_logp.grad, atol=1e-7)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _learner(hf_dir, **kw):
     from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_darl.learner.megatron_learner import MegatronLearner
@@ -128,7 +122,7 @@ def test_kept_snapshots_rescore_like_fresh_learners(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(_free_port())).items():
+                     MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)
     torch.set_num_threads(1)
     hf = W.tiny_qwen3(str(tmp_path / "hf"))

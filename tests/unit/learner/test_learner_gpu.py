@@ -6,8 +6,8 @@ they skip without a GPU (and the TE ones without transformer_engine)."""
 import pytest
 import torch
 
-from tests.helpers import learner_worker as W
-from tests.helpers import repo_env
+from megatron_darl.channel.ports import free_port
+from tests.helpers import learner_worker as W, repo_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -76,13 +76,10 @@ def test_sequence_parallel_tp2_matches_hf_and_trains(hf_dir, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL forbids two ranks on one GPU)")
 def test_nccl_weight_broadcast_reaches_a_receiver(tmp_path):
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     receiver = subprocess.Popen([sys.executable, "-c", f"""
 import torch, torch.distributed as dist
 from megatron_darl.channel.process_group import init_custom_group

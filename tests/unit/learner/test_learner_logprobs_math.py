@@ -4,13 +4,13 @@ Values and gradients, chunked (1 and 3 positions per chunk) and unchunked, at TP
 on gloo (each rank holds half of a padded vocabulary, the last columns being Megatron padding)."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_darl.channel.ports import free_port
 from megatron_darl.learner.logprobs import VocabParallelLogProbs, chunk_positions, token_logprobs
 
 B, S, VOCAB, PADDED, T = 3, 7, 13, 16, 0.7  # 13 real columns padded to 16 (8 per rank at TP=2)
@@ -101,9 +101,7 @@ def _tp_worker(rank: int, port: int, out_path: str) -> None:
 
 
 def test_tp2_on_gloo_matches_naive_for_every_chunking(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "tp2.pt")
     mp.start_processes(_tp_worker, args=(port, out), nprocs=2, start_method="spawn")
     results = torch.load(out)

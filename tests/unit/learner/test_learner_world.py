@@ -14,15 +14,14 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_darl.config import load_config
 from megatron_darl.launch.local import LocalPlacement, learner_env
 from megatron_darl.launch.session import make_run_info
+from tests.helpers import repo_env
 
-REPO = Path(__file__).resolve().parents[3]
 WORKER = """
 import torch, torch.distributed as dist
 from megatron_darl.learner.parallel import init_world
@@ -46,7 +45,7 @@ def test_a_port_taken_after_the_launcher_wrote_the_record_does_not_break_the_ren
     squatter.listen()
     try:
         procs = [subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env={**os.environ, "PYTHONPATH": str(REPO), **learner_env(r, 2, info)})
+                                  text=True, env=repo_env(**learner_env(r, 2, info)))
                  for r in range(2)]
         outs = [p.communicate(timeout=100)[0] for p in procs]
     finally:
@@ -123,8 +122,8 @@ print("ok", flush=True)
 def test_the_other_ranks_wait_for_the_main_one_outside_any_collective(tmp_path):
     """Before, they waited in a broadcast (for the batch) or an all-reduce (the preemption flag,
     while the main rank evaluated) and the collective's timeout killed the job."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
-           "WORLD_SIZE": "2", "DARL_RENDEZVOUS_FILE": str(tmp_path / "rendezvous.json")}
+    env = repo_env(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", WORLD_SIZE="2",
+                   DARL_RENDEZVOUS_FILE=str(tmp_path / "rendezvous.json"))
     procs = [subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     outs = [p.communicate(timeout=100)[0] for p in procs]

@@ -19,8 +19,8 @@ import sys
 import pytest
 
 from megatron_darl.rewards.sandbox import sandbox_problem
+from tests.helpers import repo_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 NO_SYS_ADMIN = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
 
 PROBE = """
@@ -49,7 +49,7 @@ def _probe(prefix: list[str], tmp_path) -> dict:
     """Run PROBE under `prefix` (a command that takes privileges away, then runs the rest)."""
     marker = tmp_path / "ran"
     os.chmod(tmp_path, 0o777)  # a sandbox uid could write here if the program ran at all
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = repo_env()
     done = subprocess.run([*prefix, sys.executable, "-c", PROBE, str(marker)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,7 +95,7 @@ def test_not_root_is_named_before_a_code_run_starts():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user, which needs root")
 def test_a_code_run_is_refused_when_not_root():
-    done = subprocess.run([sys.executable, "-c", NOT_ROOT], env=dict(os.environ, PYTHONPATH=REPO),
+    done = subprocess.run([sys.executable, "-c", NOT_ROOT], env=repo_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     refused, problem = done.stdout.strip().splitlines()[-2:]

@@ -12,8 +12,7 @@ import pytest
 from megatron_darl.rollout import sglang_requests as rq
 from megatron_darl.rollout.api import RolloutEngine
 from megatron_darl.rollout.sglang_client import SGLangClient
-from megatron_darl.types import GenerateRequest, SamplingParams
-from megatron_darl.types import WeightVersion
+from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
 
 
 def sglang_answer(ids, version="3", reason=None, **meta):

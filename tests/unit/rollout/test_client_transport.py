@@ -5,24 +5,18 @@ retries with backoff then a clear error on an unreachable port, retries on 503, 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
 from aiohttp import web
 
+from megatron_darl.channel.ports import free_port
 from megatron_darl.rollout.sglang_client import EngineHTTPError, EngineUnreachableError, SGLangClient
 from megatron_darl.types import GenerateRequest, SamplingParams
 
 REQ = GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2), rid="t")
 ANSWER = {"output_ids": [4, 5], "meta_info": {"finish_reason": {"type": "length", "length": 2}, "weight_version": "7",
                                               "output_token_logprobs": [[-0.1, 4, None], [-0.2, 5, None]]}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _aserve(script):
@@ -37,13 +31,13 @@ async def _aserve(script):
     app.router.add_post("/generate", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}", calls
 
 
 def test_unreachable_port_retries_with_backoff_then_names_url_and_route():
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
     async def go():
         async with SGLangClient(url, max_retries=2, backoff_s=0.1, connect_timeout_s=1.0) as client:

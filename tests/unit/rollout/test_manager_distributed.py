@@ -10,12 +10,11 @@ import asyncio
 
 import pytest
 
-from test_manager import check_groups, make
-
 from megatron_darl.channel.json_files import read_json, write_json_atomic
 from megatron_darl.channel.weight_transfer import transfer_paths
 from megatron_darl.rollout.manager import RolloutManager
 from megatron_darl.types import WeightVersion
+from tests.helpers.rollout_fakes import check_groups, make
 
 
 async def fake_learner(notice: str, engines: list, fail: set[int], seen: list[dict]) -> None:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -22,12 +20,12 @@ from megatron_darl.channel.shm_ring import ShmRing
 from megatron_darl.channel.weight_notice import WeightNotice, publish_notice, read_status
 from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter
 from megatron_darl.types import WeightVersion, group_trajectories
+from tests.helpers import repo_env
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("reasoning_gym")
 
-REPO = Path(__file__).resolve().parents[3]
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,
             eos_token_id=3, bos_token_id=2)  # the demo tokenizer's <|im_end|> ends a response
@@ -61,8 +59,7 @@ def test_manager_process_end_to_end(tmp_path):
     notice, status, saved = tmp_path / "notice.json", tmp_path / "notice.json.status", tmp_path / "state.json"
     ring = ShmRing.create(name, 1 << 20)
     starter = EmbeddedEngineRestarter(str(tmp_path / "v0"), startup_timeout_s=90, log_dir=str(tmp_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "MEGATRON_DARL_CACHE": str(tmp_path / "cache")}
+    env = repo_env(OMP_NUM_THREADS="1", MEGATRON_DARL_CACHE=str(tmp_path / "cache"))
     proc = None
 
     async def start_engine():

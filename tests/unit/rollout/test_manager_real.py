@@ -10,7 +10,6 @@ import asyncio
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -21,44 +20,11 @@ from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter, RingS
 from megatron_darl.rollout.staleness import StalenessGate
 from megatron_darl.rollout.workflow import Episode, GroupWorkflow
 from megatron_darl.types import WeightVersion, group_trajectories
+from tests.helpers.engines import save_tiny
+from tests.helpers.rollout_fakes import ScriptedPrompts
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False,
-            eos_token_id=95, bos_token_id=94)
-
-
-def save_tiny(path, seed: int) -> None:
-    torch.manual_seed(seed)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(str(path))
-
-
-@dataclass
-class Prompt:
-    uid: int
-    input_ids: list[int]
-    task: str = "custom"
-    answer: dict = field(default_factory=dict)
-
-
-class Prompts:
-    def __init__(self, n: int) -> None:
-        self.items = [Prompt(1000 + i, [3 + i % 7, 11, 17 + i % 5, 23]) for i in range(n)]
-        self.pos = 0
-
-    def next_batch(self, n):
-        out = self.items[self.pos : self.pos + n]
-        self.pos += len(out)
-        return out
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
-
 
 class EvenTokens:
     async def ascore(self, episode: Episode) -> list[float]:
@@ -72,7 +38,7 @@ def test_real_engines_ring_and_gate_survive_kill_and_update(tmp_path):
     # long responses: some must still be generating when the weights change, however fast the machine
     cfg = RolloutConfig(group_size=4, max_new_tokens=160, max_concurrent_per_engine=8, request_timeout_s=30.0)
     gate = StalenessGate(max_head_offpolicyness=1, batch_size=3)
-    prompts = Prompts(9)
+    prompts = ScriptedPrompts(9, start=1000, tokens=lambda i: [3 + i % 7, 11, 17 + i % 5, 23], task="custom")
     name = f"darl-test-{uuid.uuid4().hex[:8]}"
     ring = ShmRing.create(name, 1 << 20, directory=str(tmp_path))
     producer = ShmRing.attach(name, directory=str(tmp_path))

@@ -19,7 +19,6 @@ import ast
 import asyncio
 import math
 import re
-from pathlib import Path
 
 import pytest
 
@@ -30,10 +29,9 @@ from megatron_darl.engine import requests as er
 from megatron_darl.rollout import sglang_requests as rq
 from megatron_darl.rollout.sglang_client import SGLangClient
 from megatron_darl.rollout.workflow import GroupWorkflow
-from megatron_darl.types import GenerateRequest, SamplingParams
-from megatron_darl.types import WeightVersion
+from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[3]
 VOCAB = 151_936
 
 

@@ -1,0 +1,118 @@
+"""Tiny random models and darl-engine processes for the engine, rollout and fault tests.
+
+What it is: `TINY_QWEN3` and `TINY_QWEN3_WIDE` (the shapes the engine tests use), `save_tiny` (a random tiny Qwen3,
+Qwen2 or Llama saved as a Hugging Face folder, optionally with randomised norms and biases so a
+wrong norm or a dropped bias shows in the log-probs), `teacher_forced` (transformers' log-probs of
+a response, the reference the engine's behavior log-probs are compared with) and
+`running_engines` (darl-engine subprocesses on free loopback ports, waited for and always stopped).
+What it is not: a test, or a stand-in for an engine (`rollout_fakes.FakeEngine`,
+`sglang_standin.py`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from megatron_darl.channel.ports import free_port
+from tests.helpers import REPO, repo_env
+
+TINY_QWEN3: dict[str, Any] = dict(
+    vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=95, bos_token_id=94)
+# wider, with larger initial weights and no end token: the engine server and weight-group tests,
+# whose log-probs must differ measurably between two seeds
+TINY_QWEN3_WIDE: dict[str, Any] = dict(
+    vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=96, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=False)
+
+
+def save_tiny(path: Path | str, seed: int = 0, config: dict[str, Any] | None = None, arch: str = "qwen3",
+              random_norms: bool = False, **overrides: Any):
+    """Save a random tiny model of `config` (default `TINY_QWEN3`) plus `overrides` at `path`;
+    returns the model (eval mode)."""
+    import torch
+    import transformers
+
+    cfg_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**{**(TINY_QWEN3 if config is None else config), **overrides})).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("bias"):
+                    p.normal_(0.0, 0.3)
+    model.save_pretrained(str(path))
+    return model
+
+
+def save_wide(path: Path | str, seed: int = 0, **overrides: Any):
+    """`save_tiny` of `TINY_QWEN3_WIDE` with randomised norms (the engine server's models)."""
+    return save_tiny(path, seed, config=TINY_QWEN3_WIDE, random_norms=True, **overrides)
+
+
+def teacher_forced(model, prompt: list[int], out: list[int], temperature: float):
+    """Per-token log-probs of `out` after `prompt` under `model` at `temperature`."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0]
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
+    return logp.gather(1, torch.tensor(out)[:, None]).squeeze(1)
+
+
+def _healthy(url: str, key: str | None) -> bool:
+    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_batch: int = 32,
+                    startup_s: float = 60.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """One darl-engine per (model_dir, api_key), each logging to `<log_dir>/engine<i>.log`; yields
+    their (url, process) once all answer /health, and always stops them on exit."""
+    from megatron_darl.engine.server import engine_command
+
+    procs, urls, logs = [], [], []
+    env = repo_env(OMP_NUM_THREADS="1")
+    try:
+        for i, (model_dir, key) in enumerate(specs):
+            port = free_port()
+            logs.append(open(Path(log_dir) / f"engine{i}.log", "w"))
+            procs.append(subprocess.Popen(engine_command(str(model_dir), port, api_key=key, max_batch=max_batch),
+                                          stdout=logs[-1], stderr=subprocess.STDOUT, env=env, cwd=REPO))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + startup_s
+        for i, ((_, key), proc, url) in enumerate(zip(specs, procs, urls)):
+            while not _healthy(url, key):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    text = (Path(log_dir) / f"engine{i}.log").read_text()[-3000:]
+                    raise AssertionError(f"darl-engine {url} did not start:\n{text}")
+                time.sleep(0.2)
+        yield list(zip(urls, procs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
