@@ -32,7 +32,7 @@ def test_all_prompts_once_tokens_exact_and_load_spread():
         return mgr.metrics()
 
     m = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     check_groups(sink, cfg)
     for g in sink.groups:  # uninterrupted: one request per sample, tokens as the engine sampled them
         for i, t in enumerate(g):
@@ -61,7 +61,7 @@ def test_partial_rollout_spans_two_versions_and_continues_from_partial():
         return mgr
 
     mgr = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     check_groups(sink, cfg)
     trajs = [t for g in sink.groups for t in g]
     mixed = [t for t in trajs if set(t.behav_versions.tolist()) == {0, 1}]
@@ -163,7 +163,7 @@ def test_engine_failure_requeues_restarts_and_loses_nothing(failure):
         return mgr.metrics()
 
     m = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]  # every uid exactly once
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]  # every uid exactly once
     check_groups(sink, cfg)
     assert m["rollout/engine_failures"] >= 1 and m["rollout/requeued_requests"] >= 1
     assert restarter.calls and restarter.calls[0] == 1
@@ -190,7 +190,7 @@ def test_engine_without_restarter_comes_back_via_health():
         return mgr.metrics(), n_before
 
     m, n_before = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     assert m["rollout/engine_recoveries"] >= 1 and m["rollout/engines_up"] == 2
     assert len(engines[0].requests) > n_before, "the recovered engine takes requests again"
 
@@ -231,8 +231,8 @@ def test_dapo_filter_counts_and_frees_gate():
         return mgr.metrics()
 
     m = asyncio.run(main())
-    filtered = [p.uid for p in prompts.prompts if p.uid % 3 == 0]
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts if p.uid % 3 != 0]
+    filtered = [p.uid for p in prompts.items if p.uid % 3 == 0]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items if p.uid % 3 != 0]
     assert m["rollout/filtered_groups"] == len(filtered) == 4
     assert gate.accepted == 8 and gate.rejected == 4 and gate.running == 0
 
@@ -247,7 +247,7 @@ def test_scorer_failure_reruns_group_once():
         return mgr.metrics()
 
     m = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     assert m["rollout/episode_retries"] == 2
     reqs = sum(len(e.requests) for e in engines)
     assert reqs == 6 * cfg.group_size, "a re-scored group does not generate again"
@@ -286,7 +286,7 @@ def test_state_round_trip_resumes_partials_and_loses_nothing():
 
     mgr2 = asyncio.run(second())
     assert all(e.updates == [1] for e in engines2), "the resumed version is pushed to the engines"
-    assert sorted(sink.uids + sink2.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids + sink2.uids) == [p.uid for p in prompts.items]
     assert sink2.uids[: len(partial)] == list(partial), "in-flight prompts are re-run first"
     for g in sink2.groups:
         for i, t in enumerate(g):
@@ -330,7 +330,7 @@ def test_notice_file_drives_updates_state_requests_and_stop(tmp_path):
     assert saved_state["version"] == 3 and saved_state["format"] == 1
     final = mgr.state_dict()  # stopped mid-run: every drawn uid is written or in the state
     in_state = [e["uid"] for e in final["episodes"]]
-    assert sorted(sink.uids + in_state) == [p.uid for p in prompts.prompts[: prompts.pos]]
+    assert sorted(sink.uids + in_state) == [p.uid for p in prompts.items[: prompts.pos]]
 
 
 @pytest.mark.timeout(60)
@@ -342,7 +342,7 @@ def test_per_engine_cap_holds_with_more_work_than_slots():
         await asyncio.wait_for(mgr.arun(), 30)
 
     asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     assert [e.max_active for e in engines] == [3, 3]
 
 
@@ -381,7 +381,7 @@ def test_a_failed_update_leaves_no_engine_paused_and_it_comes_back():
     m = asyncio.run(main())
     assert m["rollout/engine_failures"] == 1 and m["rollout/engine_recoveries"] == 1, m
     assert engines[0].updates == [1], "back in service only with the current weights"
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
 
 
 @pytest.mark.timeout(60)

@@ -57,7 +57,7 @@ def test_partials_span_versions_and_a_failed_broadcast_falls_back_to_disk(tmp_pa
         return mgr
 
     mgr = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     check_groups(sink, cfg)
     mixed = [t for g in sink.groups for t in g if set(t.behav_versions.tolist()) == {0, 1}]
     assert mixed and all(t.behav_versions.tolist() == sorted(t.behav_versions.tolist()) for t in mixed)
@@ -85,7 +85,7 @@ def test_an_engine_back_from_down_rejoins_with_a_new_group_and_the_current_versi
         return mgr
 
     mgr = asyncio.run(main())
-    assert sorted(sink.uids) == [p.uid for p in prompts.prompts]
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
     rejoin = [r for r in seen if [e["index"] for e in r["engines"]] == [0]]
     assert rejoin and rejoin[-1]["engines"][0]["group"] == "darl-w0-1" and rejoin[-1]["version"] == 1
     assert engines[0].version == 1 and mgr.metrics()["rollout/engine_recoveries"] >= 1
