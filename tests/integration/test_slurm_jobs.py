@@ -107,16 +107,37 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, warm_model):
         job = job_id_of(run.output())
         run_id = run.run_info()["run_id"]
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"darl-{run_id}-")], "no shared memory in use?"
+        before = _signal_state(run.proc.pid)  # for the failure message: how the launcher takes SIGINT
         os.kill(run.proc.pid, signal.SIGINT)  # the user's Ctrl-C
         code = run.wait(200)
         out = run.output()
-        assert code == 130 and f"job {job} cancelled" in out, out[-4000:]
+        assert code == 130 and f"job {job} cancelled" in out, (
+            f"exit {code}; launcher before the signal: {before}\n{out[-4000:]}\n"
+            f"session log:\n{_tail(Path(run.run_dir) / 'slurm' / f'{job}_0_log.out')}")
         assert set(wait_job_gone(job)) == {"CANCELLED"}
         assert {c["Restarts"] for c in job_components(job)} == {"0"}  # cancelled, not requeued as if preempted
         assert len(run.ledger()) < 200
         assert_nothing_left(run, run_id, timeout_s=90)
     finally:
         run.kill()
+
+
+def _signal_state(pid: int) -> str:
+    """The command line and signal masks (/proc/PID/status SigBlk, SigIgn, SigCgt) of a process."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        masks = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                 if line.startswith(("State", "SigBlk", "SigIgn", "SigCgt"))]
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    return f"pid {pid} `{cmd.strip()}` " + ", ".join(masks)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError as exc:
+        return f"({exc})"
 
 
 def _release_when_requeued(run, job: str, timeout_s: float) -> None:
