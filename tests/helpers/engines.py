@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -71,21 +70,13 @@ def teacher_forced(model, prompt: list[int], out: list[int], temperature: float)
     return logp.gather(1, torch.tensor(out)[:, None]).squeeze(1)
 
 
-def _healthy(url: str, key: str | None) -> bool:
-    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @contextmanager
 def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_batch: int = 32,
                     startup_s: float = 60.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """One darl-engine per (model_dir, api_key), each logging to `<log_dir>/engine<i>.log`; yields
     their (url, process) once all answer /health, and always stops them on exit."""
     from megatron_darl.engine.server import engine_command
+    from megatron_darl.launch.engine_host import healthy
 
     procs, urls, logs = [], [], []
     env = repo_env(OMP_NUM_THREADS="1")
@@ -98,7 +89,7 @@ def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_bat
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_s
         for i, ((_, key), proc, url) in enumerate(zip(specs, procs, urls)):
-            while not _healthy(url, key):
+            while not healthy(url, key):  # the launcher's own readiness check
                 if proc.poll() is not None or time.monotonic() > deadline:
                     text = (Path(log_dir) / f"engine{i}.log").read_text()[-3000:]
                     raise AssertionError(f"darl-engine {url} did not start:\n{text}")
