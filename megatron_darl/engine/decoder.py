@@ -6,7 +6,9 @@ same block without QK-norm, with or without q/k/v biases), loaded from an HF fol
 with one position per row, and logits for the last position only. `Decoder` adds continuous
 batching on top: sequences join between steps (their KV is prefilled), decode together in one
 batched step, and leave when finished; a weight swap marks every row for re-prefill, so
-in-flight sequences continue under the new weights with their KV recomputed.
+in-flight sequences continue under the new weights with their KV recomputed. The sampler is
+`sampling.py`; a row whose logits or sampled log-prob is not finite fails (`Sequence.error`)
+instead of reaching an answer.
 What it is not: an HTTP server (that is `server.py`), a tokenizer (ids in, ids out), or
 a trainer: no autograd, no dropout. Measured faster than `transformers.generate()` on CPU with
 log-probs equal to transformers' within 1e-4 (tests/unit/rollout/test_engine_decoder.py;
@@ -16,12 +18,14 @@ log-probs equal to transformers' within 1e-4 (tests/unit/rollout/test_engine_dec
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from megatron_darl.engine.sampling import sample
 from megatron_darl.engine.weight_files import WeightLoadError, read_weight_file
 from megatron_darl.types import SamplingParams
 
@@ -318,57 +322,6 @@ class Sequence:
         return self.tokens[self.prompt_len :]
 
 
-def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the probabilities outside each row's top-k and top-p nucleus (unnormalised; the
-    sampler does not need a normalised distribution). The first token is always kept."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    keep = (rank < top_k[:, None]) & ((sorted_p.cumsum(-1) - sorted_p) < top_p[:, None])
-    return torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Draw one index per row of unnormalised `probs` from uniforms `u` [B]: one random
-    number per row (torch.multinomial draws one exponential per vocabulary entry, which was
-    12% of a decode step). The cumulative sum is taken in float64 so that rounding over a
-    150k vocabulary cannot shift mass between tokens."""
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    idx = torch.searchsorted(cdf, (u.to(torch.float64) * cdf[:, -1])[:, None], right=True).squeeze(1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
-
-
-def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list[int], list[float]]:
-    """Sample one token per row; return the tokens and their behavior log-probs.
-
-    The behavior log-prob is log_softmax(logits / T) at the sampled token over the full
-    vocabulary, i.e. before top-p/top-k truncation: that is exactly what the learner recomputes
-    (log_softmax(logits / T) over the full vocab), so the importance ratio is 1 on-policy.
-    Temperature 0 means greedy, and then the log-prob is that of the untempered distribution.
-    Seeded requests draw from their own generator, so their samples do not depend on which
-    other requests share the batch.
-    """
-    temps = torch.tensor([s.sampling.temperature for s in seqs], device=logits.device)
-    greedy = temps <= 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    probs = logp.exp()
-    vocab = logits.shape[-1]
-    top_k = [s.sampling.top_k if 0 < s.sampling.top_k < vocab else vocab for s in seqs]
-    top_p = [s.sampling.top_p for s in seqs]
-    if min(top_k) < vocab or min(top_p) < 1.0:
-        probs = _truncate(probs, torch.tensor(top_k, device=logits.device), torch.tensor(top_p, device=logits.device))
-    tokens = logits.argmax(dim=-1)
-    is_greedy = greedy.tolist()
-    shared = [i for i, s in enumerate(seqs) if not is_greedy[i] and s.generator is None]
-    if shared:
-        u = torch.rand(len(shared), generator=generator, device=logits.device)
-        tokens[shared] = _inverse_cdf(probs[shared], u)
-    for i, s in enumerate(seqs):
-        if not is_greedy[i] and s.generator is not None:
-            tokens[i] = _inverse_cdf(probs[i : i + 1], torch.rand(1, generator=s.generator, device=logits.device))[0]
-    lps = logp.gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), lps.tolist()
-
-
 class Decoder:
     """Continuous batching over one CausalLM. Not thread-safe: one caller at a time (the engine
     server runs every call on one worker thread, which also serialises weight swaps with steps).
@@ -424,6 +377,11 @@ class Decoder:
             new, lps = sample(rows, [seqs[i] for i in good], self.generator)
             for i, tok, lp in zip(good, new, lps):
                 s = seqs[i]
+                if not math.isfinite(lp):  # finite logits that overflowed once divided by T: no NaN leaves
+                    s.error = (f"non-finite log-prob {lp} at position {len(s.tokens) - 1} (temperature "
+                               f"{s.sampling.temperature}, weight version {self.version})")
+                    s.finish = {"type": "abort", "message": s.error}
+                    continue
                 s.tokens.append(tok)
                 s.logprobs.append(lp)
                 s.versions.append(self.version)

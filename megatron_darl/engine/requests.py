@@ -8,7 +8,8 @@ field named; `response_json` writes a finished sequence the way SGLang 0.5.23 an
 know (e.g. `seed` instead of `sampling_seed`) fails the request, so nothing can pass here and
 fail on SGLang; SGLang fields this engine cannot honour (stop strings, penalties, grammars, ...)
 are accepted at their neutral values only. The release's field list is pinned by a test
-against its wheel (tests/unit/rollout/test_sglang_conformance.py).
+against its wheel (tests/unit/rollout/test_sglang_conformance.py). A temperature below
+`SAMPLING_EPS` is greedy, as SGLang 0.5.23 decides it.
 What it is not: the server (`server.py`) or the client side (`sglang_requests.py`).
 """
 
@@ -19,6 +20,7 @@ import math
 import uuid
 from typing import Any
 
+from megatron_darl.engine.sampling import SAMPLING_EPS
 from megatron_darl.types import SamplingParams
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -93,6 +95,8 @@ def parse_sampling(raw: object, where: str = "sampling_params.") -> SamplingPara
     temperature = _number(raw, "temperature", 1.0, where)
     if temperature < 0:
         raise BadRequest(f"field '{where}temperature' must be >= 0 (0: greedy), got {temperature}")
+    if temperature < SAMPLING_EPS:  # as sglang/srt/sampling/sampling_params.py: below _SAMPLING_EPS, greedy
+        temperature = 0.0
     top_p = _number(raw, "top_p", 1.0, where)
     if not 0 < top_p <= 1:
         raise BadRequest(f"field '{where}top_p' must be in (0, 1], got {top_p}")

@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,7 +38,7 @@ from megatron_darl.channel.ports import free_port  # noqa: E402
 from megatron_darl.engine.decoder import Decoder  # noqa: E402
 from megatron_darl.engine.server import EngineServer, engine_command  # noqa: E402
 from tests.helpers import REPO, repo_env  # noqa: E402
-from tests.helpers.engines import running_engines, save_tiny  # noqa: E402
+from tests.helpers.engines import running_engines, save_tiny, serving  # noqa: E402
 
 
 def save_nan_copy(src: Path, dst: Path) -> Path:
@@ -209,14 +208,6 @@ def test_sigterm_with_a_waiting_request_stops_promptly(tmp_path):
 
 # ---- faults injected into the server in this process --------------------------------------
 
-async def _serve(server: EngineServer):
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
-
-
 async def _apost(session, url, route, body):
     async with session.post(url + route, json=body) as r:
         return r.status, await r.json(content_type=None)
@@ -240,17 +231,13 @@ def test_a_failure_decoding_one_request_fails_that_request_only(tmp_path, caplog
     body = {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
 
     async def main():
-        runner, url = await _serve(server)
-        try:
-            async with aiohttp.ClientSession() as s:
-                outs = await asyncio.wait_for(asyncio.gather(*(_apost(s, url, "/generate", {**body, "rid": rid})
-                                                               for rid in ("a", "poison", "b"))), 60)
-                after = await asyncio.wait_for(_apost(s, url, "/generate", {**body, "rid": "c"}), 60)
-                async with s.get(url + "/health_generate") as r:
-                    health = r.status
-            return outs, after, health
-        finally:
-            await runner.cleanup()
+        async with serving(server) as url, aiohttp.ClientSession() as s:
+            outs = await asyncio.wait_for(asyncio.gather(*(_apost(s, url, "/generate", {**body, "rid": rid})
+                                                           for rid in ("a", "poison", "b"))), 60)
+            after = await asyncio.wait_for(_apost(s, url, "/generate", {**body, "rid": "c"}), 60)
+            async with s.get(url + "/health_generate") as r:
+                health = r.status
+        return outs, after, health
 
     with caplog.at_level(logging.ERROR, logger="darl-engine"):
         (a, poison, b), after, health = asyncio.run(main())
@@ -269,19 +256,15 @@ def test_health_generate_detects_a_model_that_gives_nan(tmp_path):
     server = EngineServer(decoder, str(tmp_path / "m"))
 
     async def main():
-        runner, url = await _serve(server)
-        try:
-            async with aiohttp.ClientSession() as s:
-                async with s.get(url + "/health_generate") as r:
-                    good = r.status
-                decoder.model.norm = torch.full_like(decoder.model.norm, float("nan"))  # weights broke in memory
-                async with s.get(url + "/health_generate") as r:
-                    bad = (r.status, await r.text())
-                gen = await asyncio.wait_for(_apost(s, url, "/generate", {
-                    "input_ids": [1, 2], "rid": "x", "sampling_params": {"max_new_tokens": 3}}), 60)
-            return good, bad, gen
-        finally:
-            await runner.cleanup()
+        async with serving(server) as url, aiohttp.ClientSession() as s:
+            async with s.get(url + "/health_generate") as r:
+                good = r.status
+            decoder.model.norm = torch.full_like(decoder.model.norm, float("nan"))  # weights broke in memory
+            async with s.get(url + "/health_generate") as r:
+                bad = (r.status, await r.text())
+            gen = await asyncio.wait_for(_apost(s, url, "/generate", {
+                "input_ids": [1, 2], "rid": "x", "sampling_params": {"max_new_tokens": 3}}), 60)
+        return good, bad, gen
 
     good, bad, gen = asyncio.run(main())
     assert good == 200

@@ -3,8 +3,9 @@
 What it is: `TINY_QWEN3` and `TINY_QWEN3_WIDE` (the shapes the engine tests use), `save_tiny` (a random tiny Qwen3,
 Qwen2 or Llama saved as a Hugging Face folder, optionally with randomised norms and biases so a
 wrong norm or a dropped bias shows in the log-probs), `teacher_forced` (transformers' log-probs of
-a response, the reference the engine's behavior log-probs are compared with) and
-`running_engines` (darl-engine subprocesses on free loopback ports, waited for and always stopped).
+a response, the reference the engine's behavior log-probs are compared with), `running_engines`
+(darl-engine subprocesses on free loopback ports, waited for and always stopped) and `serving` (an
+engine server built in the test's own process, on a free loopback port).
 What it is not: a test, or a stand-in for an engine (`rollout_fakes.FakeEngine`,
 `sglang_standin.py`).
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from megatron_darl.channel.ports import free_port
 from tests.helpers import REPO, repo_env
@@ -68,6 +69,22 @@ def teacher_forced(model, prompt: list[int], out: list[int], temperature: float)
         logits = model(torch.tensor([prompt + out])).logits[0]
     logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, dim=-1)
     return logp.gather(1, torch.tensor(out)[:, None]).squeeze(1)
+
+
+@asynccontextmanager
+async def serving(server) -> AsyncIterator[str]:
+    """An `engine.server.EngineServer` built in this process (to inject a fault) served on a free
+    loopback port: yields its URL, and stops it on exit."""
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 @contextmanager

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError, _truncate
+from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
+from megatron_darl.engine.sampling import _truncate
 from megatron_darl.types import SamplingParams
 from tests.helpers import engines
 
