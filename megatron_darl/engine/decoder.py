@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -389,9 +390,12 @@ class Decoder:
         self.tokens_generated += len(good)
         return self._evict(lambda s: s.finish is not None)
 
-    def remove(self, rid: str | None = None) -> list[Sequence]:
-        """Take sequences out of the batch (all when rid is None), e.g. to abort them."""
-        return self._evict(lambda s: rid is None or s.rid == rid)
+    def remove(self, rids: str | Collection[str] | None = None) -> list[Sequence]:
+        """Take sequences out of the batch (all when rids is None; one id or a set of ids), e.g.
+        to abort them."""
+        if isinstance(rids, str):
+            rids = (rids,)
+        return self._evict(lambda s: rids is None or s.rid in rids)
 
     def load_weights(self, model_dir: str | Path) -> None:
         """Swap in the weights of `model_dir` (validated first: on error the old ones stay) and

@@ -8,14 +8,17 @@ field named; `response_json` writes a finished sequence the way SGLang 0.5.23 an
 know (e.g. `seed` instead of `sampling_seed`) fails the request, so nothing can pass here and
 fail on SGLang; SGLang fields this engine cannot honour (stop strings, penalties, grammars, ...)
 are accepted at their neutral values only. The release's field list is pinned by a test
-against its wheel (tests/unit/rollout/test_sglang_conformance.py). A temperature below
-`SAMPLING_EPS` is greedy, as SGLang 0.5.23 decides it.
-What it is not: the server (`server.py`) or the client side (`sglang_requests.py`).
+against its wheel (tests/unit/rollout/test_sglang_conformance.py). Where SGLang 0.5.23 decides a
+value (a temperature below `SAMPLING_EPS` is greedy; a prompt plus an explicit `max_new_tokens`
+beyond the model's context is refused) this does the same. Work per request is bounded: at most
+`max_prompts` prompts and `max_tokens` prompt tokens (`TooLarge`, HTTP 413, naming the limit and
+its darl-engine flag). `weight_version` only moves forward (`parse_weight_version`).
+What it is not: the server (`server.py`), the reading of bodies (`http.py`) or the client side
+(`sglang_requests.py`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from typing import Any
@@ -46,8 +49,26 @@ TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_tr
 TEXT_ONLY_INT = {"stream_interval"}  # no streaming: any int
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params has no max_new_tokens
+MAX_PROMPTS = 1024  # darl-engine --max-prompts-per-request (the rollout manager sends one per request)
+MAX_REQUEST_TOKENS = 262144  # darl-engine --max-request-tokens: prompt tokens of one request, summed
+
+
 class BadRequest(ValueError):
     """A malformed request body; the message names the field (answered with HTTP 400)."""
+
+    status = 400
+
+
+class TooLarge(BadRequest):
+    """A request beyond a darl-engine bound; the message names the field and the limit (HTTP 413)."""
+
+    status = 413
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_int(v: Any) -> bool:
@@ -115,14 +136,60 @@ def parse_sampling(raw: object, where: str = "sampling_params.") -> SamplingPara
         raise BadRequest(f"field '{where}ignore_eos' must be a boolean, got {type(ignore_eos).__name__}")
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k,
-        max_new_tokens=_integer(raw, "max_new_tokens", 128, where, lo=1),
+        max_new_tokens=_integer(raw, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, where, lo=1),
         stop_token_ids=list(stops), ignore_eos=bool(ignore_eos),
         seed=_integer(raw, "sampling_seed", None, where),  # SGLang's range: an int64
     )
 
 
-def parse_generate(body: dict, vocab_size: int) -> tuple[list[tuple[str, list[int], SamplingParams]], bool]:
-    """A /generate body -> ([(rid, input_ids, sampling)], batched?)."""
+def _prompts(body: dict, vocab_size: int, max_prompts: int, max_tokens: int,
+             context: int | None) -> tuple[list[list[int]], bool]:
+    """`input_ids` -> (prompts, batched?), the cheap bounds (count, lengths, total) checked
+    before any token is looked at."""
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("field 'input_ids' is required: a non-empty list of token ids (or a list of such lists)")
+    batched = isinstance(ids[0], list)
+    prompts = ids if batched else [ids]
+    if len(prompts) > max_prompts:
+        raise TooLarge(f"field 'input_ids' holds {len(prompts)} prompts; at most {max_prompts} per request "
+                       "(darl-engine --max-prompts-per-request)")
+    total = 0
+    for i, p in enumerate(prompts):
+        where = f"input_ids[{i}]" if batched else "input_ids"
+        if not isinstance(p, list) or not p:
+            raise BadRequest(f"field '{where}' must be a non-empty list of token ids in [0, {vocab_size})")
+        if context is not None and len(p) >= context:  # sglang tokenizer_manager._validate_one_request
+            raise BadRequest(f"field '{where}': the input ({len(p)} tokens) is longer than the model's "
+                             f"context length ({context} tokens)")
+        total += len(p)
+    if total > max_tokens:
+        raise TooLarge(f"field 'input_ids' holds {total} tokens; at most {max_tokens} per request "
+                       "(darl-engine --max-request-tokens)")
+    for i, p in enumerate(prompts):
+        if not all(type(t) is int and 0 <= t < vocab_size for t in p):  # no bools, no floats
+            where = f"input_ids[{i}]" if batched else "input_ids"
+            raise BadRequest(f"field '{where}' must be a non-empty list of token ids in [0, {vocab_size})")
+    return [list(p) for p in prompts], batched
+
+
+def _check_context(prompts: list[list[int]], raw_sp: Any, sps: list[SamplingParams], context: int) -> None:
+    """SGLang 0.5.23 refuses a prompt plus an explicit max_new_tokens beyond the model's context
+    (tokenizer_manager._validate_one_request, without --allow-auto-truncate); without
+    max_new_tokens it decodes its default and stops at the context (finish_reason length)."""
+    raws = raw_sp if isinstance(raw_sp, list) else [raw_sp] * len(prompts)
+    for i, (p, raw, sp) in enumerate(zip(prompts, raws, sps)):
+        if isinstance(raw, dict) and raw.get("max_new_tokens") is not None and len(p) + sp.max_new_tokens > context:
+            where = f"sampling_params[{i}]." if isinstance(raw_sp, list) else "sampling_params."
+            raise BadRequest(f"field '{where}max_new_tokens': requested token count exceeds the model's maximum "
+                             f"context length of {context} tokens: {len(p)} input + {sp.max_new_tokens} new "
+                             f"= {len(p) + sp.max_new_tokens}")
+
+
+def parse_generate(body: dict, vocab_size: int, max_prompts: int = MAX_PROMPTS, max_tokens: int = MAX_REQUEST_TOKENS,
+                   context: int | None = None) -> tuple[list[tuple[str, list[int], SamplingParams]], bool]:
+    """A /generate body -> ([(rid, input_ids, sampling)], batched?). `context`: the model's
+    positions (None: unchecked)."""
     if body.get("text") is not None:
         raise BadRequest("field 'text' is not supported: the embedded engine has no tokenizer; send 'input_ids'")
     if body.get("stream"):
@@ -133,16 +200,7 @@ def parse_generate(body: dict, vocab_size: int) -> tuple[list[tuple[str, list[in
     for name in ("return_logprob",):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise BadRequest(f"field '{name}' must be a boolean, got {type(body[name]).__name__}")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("field 'input_ids' is required: a non-empty list of token ids (or a list of such lists)")
-    batched = isinstance(ids[0], list)
-    prompts = ids if batched else [ids]
-    for i, p in enumerate(prompts):
-        ok = isinstance(p, list) and p and all(type(t) is int and 0 <= t < vocab_size for t in p)  # no bools
-        if not ok:
-            where = f"input_ids[{i}]" if batched else "input_ids"
-            raise BadRequest(f"field '{where}' must be a non-empty list of token ids in [0, {vocab_size})")
+    prompts, batched = _prompts(body, vocab_size, max_prompts, max_tokens, context)
     raw_sp = body.get("sampling_params")
     if isinstance(raw_sp, list):
         if len(raw_sp) != len(prompts):
@@ -150,6 +208,8 @@ def parse_generate(body: dict, vocab_size: int) -> tuple[list[tuple[str, list[in
         sps = [parse_sampling(s, f"sampling_params[{i}].") for i, s in enumerate(raw_sp)]
     else:
         sps = [parse_sampling(raw_sp)] * len(prompts)
+    if context is not None:
+        _check_context(prompts, raw_sp, sps, context)
     rid = body.get("rid")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in prompts]
@@ -159,7 +219,27 @@ def parse_generate(body: dict, vocab_size: int) -> tuple[list[tuple[str, list[in
         rids = [rid]
     else:
         raise BadRequest("field 'rid' must be a non-empty string (a list of strings, one per prompt, for batched input_ids)")
-    return list(zip(rids, [list(p) for p in prompts], sps)), batched
+    return list(zip(rids, prompts, sps)), batched
+
+
+def parse_weight_version(raw: Any, current: int) -> int:
+    """`weight_version` of a weight update -> the engine's next version (None: current + 1).
+    SGLang keeps whatever string it is sent; this engine keeps an int64 that never goes back, so
+    the per-token versions of its answers only grow (the same version again is a reload)."""
+    if raw is None:
+        return current + 1
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+            raise ValueError
+        version = int(raw)
+    except ValueError:
+        raise BadRequest(f"field 'weight_version' must be an integer (or its decimal string), got {_short(raw)}") from None
+    if not 0 <= version <= INT64[1]:
+        raise BadRequest(f"field 'weight_version' must be in [0, {INT64[1]}], got {_short(version)}")
+    if version < current:
+        raise BadRequest(f"field 'weight_version' is {version}, behind the engine's current version {current}: "
+                         "versions only move forward")
+    return version
 
 
 def weight_version_spans(versions: list[int], current: int) -> list[dict[str, Any]]:
@@ -199,19 +279,3 @@ def response_json(rid: str, output_ids: list[int], logprobs: list[float], versio
             "output_token_logprobs_length": len(output_ids),
         },
     }
-
-
-async def read_json_body(request: Any, allow_empty: bool = False) -> dict:
-    """The JSON object of an aiohttp request's body (`BadRequest` naming what is wrong otherwise)."""
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    return body

@@ -1,10 +1,10 @@
 """`darl-engine`: the embedded rollout engine, serving SGLang's HTTP protocol over `Decoder`.
 
-What it is: an aiohttp server with one background decode loop. Concurrent /generate requests
-decode together (continuous batching: they join between steps and leave when finished);
-/pause_generation stops the loop between steps (abort: in-flight requests return their
-partial output with finish_reason abort; retract/in_place: they stay and continue after
-/continue_generation); /update_weights_from_disk swaps weights between steps and bumps the
+What it is: an aiohttp server over one background decode loop (`scheduler.py`). Concurrent
+/generate requests decode together (continuous batching: they join between steps and leave
+when finished); /pause_generation stops the loop between steps (abort: in-flight requests
+return their partial output with finish_reason abort; retract/in_place: they stay and continue
+after /continue_generation); /update_weights_from_disk swaps weights between steps and bumps the
 version, and running sequences continue under the new weights with their KV recomputed.
 Answers have SGLang 0.5.23's shape, per-token versions in `meta_info.weight_versions` spans
 (`requests.py` validates requests and writes answers; docs/sglang_protocol.md lists
@@ -15,6 +15,14 @@ the requests it concerns (500, logged), never the loop; decoding and weight load
 event loop, so /health and control routes answer while 256 sequences decode; weights with
 NaN/Inf are refused (400, old weights kept) and /health_generate checks that the model still
 produces finite log-probs; SIGTERM ends in-flight requests (503) and stops at once.
+Hostile and careless clients (`http_io.py`: bodies, limits, status codes): a request is bounded
+(prompts, tokens, body size, body time: 413/408), large bodies and answers are decoded and
+written off the event loop, so /health answers within milliseconds whatever one request holds;
+a client that hangs up is noticed by the decode loop before its next step (every 0.25 s while
+paused), its prompts are dropped, counted in /get_server_info `aborted_disconnected`, and logged
+in one line. The server does not rely on aiohttp's handler cancellation (off under
+`web.run_app`): no handler is ever cancelled half-way through a weight load or a pause.
+`weight_version` only moves forward.
 The distributed update (`/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`: gloo on CPU) is `weight_group.py`.
 What it is not: a tokenizer (input_ids only), a streaming server, or a receiver of
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import logging
 import math
@@ -32,15 +41,16 @@ import os
 import sys
 import time
 import uuid
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from aiohttp import web
 
 from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
-from megatron_darl.engine.requests import BadRequest, parse_generate, read_json_body, response_json
+from megatron_darl.engine.http_io import (BodyReader, ClientGone, EngineFailure, Limits, ShuttingDown, client_gone,
+                                          encode_strict, error_middleware)
+from megatron_darl.engine.requests import BadRequest, parse_generate, parse_weight_version, response_json
+from megatron_darl.engine.scheduler import Scheduler
 from megatron_darl.engine.weight_group import WeightGroupRoutes
 from megatron_darl.types import PAUSE_MODES, SamplingParams
 
@@ -48,14 +58,8 @@ log = logging.getLogger("darl-engine")
 
 HEALTH_TIMEOUT_S = 20.0  # as SGLang's HEALTH_CHECK_TIMEOUT: no decode progress for this long is unhealthy
 LISTEN_BACKLOG = 2048  # hundreds of clients connect at once when a run starts (the default is 128)
-
-
-class EngineFailure(RuntimeError):
-    """Decoding failed for a request (answered with HTTP 500; the engine goes on)."""
-
-
-class ShuttingDown(RuntimeError):
-    """The server is stopping (answered with HTTP 503)."""
+ENCODE_INLINE_TOKENS = 4096  # answers with more output tokens, or more answers than ENCODE_INLINE_ANSWERS,
+ENCODE_INLINE_ANSWERS = 16  # are written on the worker thread
 
 
 def _field(body: dict, name: str, kinds: type | tuple[type, ...], default=None):
@@ -69,138 +73,75 @@ def _field(body: dict, name: str, kinds: type | tuple[type, ...], default=None):
     return value
 
 
-class EngineServer:
-    """The HTTP routes and the decode loop around one Decoder. The decoder is only touched on
-    the single worker thread, and only under `step_lock`, so weight swaps, aborts and joins
-    all happen between decode steps."""
+class EngineServer(Scheduler):
+    """The HTTP routes over the decode loop (`Scheduler`) of one Decoder."""
 
-    def __init__(self, decoder: Decoder, model_path: str, api_key: str | None = None):
-        self.decoder = decoder
+    def __init__(self, decoder: Decoder, model_path: str, api_key: str | None = None, limits: Limits | None = None):
+        super().__init__(decoder)
         self.model_path = model_path
         self.api_key = api_key
-        self.pending: deque[Sequence] = deque()
-        self.futures: dict[str, asyncio.Future] = {}
-        self.started_at: dict[str, float] = {}
-        self.paused = False
-        self.closing = False
-        self.broken: str | None = None  # the model produced non-finite logits; cleared by a good probe or load
-        self.steps = 0  # decode steps completed (health: progress while busy)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="darl-decode")
-        self.step_lock: asyncio.Lock | None = None
-        self.wake: asyncio.Event | None = None
-        self.progress: asyncio.Condition | None = None
-        self.loop_task: asyncio.Task | None = None
+        self.http = BodyReader(limits or Limits())
+        self.client_disconnects = 0  # requests whose client hung up (while sending, waiting or decoding)
 
-    # ---- decode loop -------------------------------------------------------------------
-    async def aloop(self) -> None:
-        """Decode until cancelled. Nothing a request does can end this loop: a failure fails
-        the requests it concerns (logged) and the loop goes on."""
-        while True:
-            if self.paused or not (self.decoder.rows or self.pending):
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            try:
-                await self._astep()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug outside decode itself: fail what is running, keep serving
-                log.exception("decode loop: unexpected failure; failing the running requests")
-                async with self.step_lock:
-                    self._fail(self.decoder.remove(None), f"engine error: {exc!r}")
-            await asyncio.sleep(0)  # let HTTP handlers (pause, new requests) in between steps
-
-    async def _astep(self) -> None:
-        async with self.step_lock:
-            if self.paused:
-                return
-            while self.pending and self.decoder.free_slots > 0:
-                seq = self.pending.popleft()
-                try:
-                    self.decoder.add(seq)
-                except Exception as exc:  # validated at the door, so this is a bug: this request only
-                    log.exception("request %s could not join the batch", seq.rid)
-                    self._fail([seq], f"request could not start: {exc!r}")
-            if not self.decoder.rows:
-                return
-            try:
-                finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.decoder.step)
-            except Exception as exc:
-                seqs = self.decoder.remove(None)
-                log.exception("decode step failed; failing its %d request(s)", len(seqs))
-                self._fail(seqs, f"decode step failed: {exc!r}")
-                return
-            self.steps += 1
-        for seq in finished:
-            if seq.error is not None:
-                log.error("request %s failed: %s", seq.rid, seq.error)
-                self.broken = seq.error
-                self._fail([seq], seq.error)
-            else:
-                self._resolve(seq)
-        async with self.progress:
-            self.progress.notify_all()
-
-    def _resolve(self, seq: Sequence) -> None:
-        fut = self.futures.pop(seq.rid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(seq)
-
-    def _fail(self, seqs: list[Sequence], message: str, kind: type[Exception] = EngineFailure) -> None:
-        for seq in seqs:
-            fut = self.futures.pop(seq.rid, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(kind(message))
-
-    def _abort(self, rid: str | None, message: str) -> int:
-        """End running and waiting requests (all when rid is None) with finish_reason abort.
-        Call only under step_lock."""
-        seqs = self.decoder.remove(rid)
-        seqs += [s for s in self.pending if rid is None or s.rid == rid]
-        self.pending = deque(s for s in self.pending if not (rid is None or s.rid == rid))
-        for s in seqs:
-            s.finish = {"type": "abort", "message": message}
-            self._resolve(s)
-        return len(seqs)
+    def _on_gone(self, request: web.Request, exc: ClientGone) -> None:
+        self.client_disconnects += 1
+        log.info("%s %s: client %s hung up: %s", request.method, request.path, request.remote, exc)
 
     # ---- routes ------------------------------------------------------------------------
     async def agenerate(self, request: web.Request) -> web.Response:
         if self.closing:
             raise ShuttingDown("the engine is shutting down")
-        items, batched = parse_generate(await read_json_body(request), self.decoder.spec.vocab_size)
+        spec, limits = self.decoder.spec, self.http.limits
+        items, batched = await self.http.aread(request, lambda body: parse_generate(
+            body, spec.vocab_size, limits.max_prompts, limits.max_tokens, spec.max_positions))
+        if client_gone(request):
+            raise ClientGone(f"{len(items)} prompt(s) dropped before they were queued")
         started = time.monotonic()
+        rids = {rid for rid, _, _ in items}
         dup = [rid for rid, _, _ in items if rid in self.futures]
-        if dup or len({rid for rid, _, _ in items}) != len(items):
+        if dup or len(rids) != len(items):
             raise BadRequest(f"field 'rid': request id {(dup or [items[0][0]])[0]!r} is already in flight")
-        limit = self.decoder.spec.max_positions
-        for rid, ids, _ in items:
-            if len(ids) >= limit:
-                raise BadRequest(f"field 'input_ids': {len(ids)} tokens; the model allows at most {limit - 1}")
         futs = []
         for rid, ids, sp in items:
             futs.append(asyncio.get_running_loop().create_future())
             self.futures[rid] = futs[-1]
             self.pending.append(Sequence(rid=rid, tokens=ids, prompt_len=len(ids), sampling=sp))
+        self.clients[id(request)] = (request, rids)
         self.wake.set()
         try:
             seqs = await asyncio.gather(*futs)
-        except asyncio.CancelledError:  # client went away: free its rows
+        except asyncio.CancelledError:  # under a runner that cancels handlers of closed connections
             async with self.step_lock:
-                for rid, _, _ in items:
-                    self._abort(rid, "client disconnected")
+                dropped = self._abort(rids, "client disconnected")
+            self.aborted_disconnected += dropped
+            self._on_gone(request, ClientGone(f"{dropped} prompt(s) dropped (handler cancelled)"))
             raise
         except (EngineFailure, ShuttingDown):
             async with self.step_lock:  # the other prompts of a batched request end too
-                for rid, _, _ in items:
-                    self._abort(rid, "another prompt of the same request failed")
+                self._abort(rids, "another prompt of the same request failed")
             raise
-        latency = time.monotonic() - started
-        out = [response_json(s.rid, s.output_ids, s.logprobs, s.versions, s.finish, s.prompt_len, latency,
-                             self.decoder.version) for s in seqs]
-        return web.json_response(out if batched else out[0])
+        finally:
+            self.clients.pop(id(request), None)
+        return await self._aanswer(seqs, batched, time.monotonic() - started)
+
+    async def _aanswer(self, seqs: list[Sequence], batched: bool, latency: float) -> web.Response:
+        """SGLang's answer for finished sequences, strict JSON, written off the loop when long."""
+        version = self.decoder.version
+
+        def write() -> bytes:
+            out = [response_json(s.rid, s.output_ids, s.logprobs, s.versions, s.finish, s.prompt_len, latency, version)
+                   for s in seqs]
+            return encode_strict(out if batched else out[0])
+
+        try:
+            heavy = len(seqs) > ENCODE_INLINE_ANSWERS or sum(len(s.output_ids) for s in seqs) > ENCODE_INLINE_TOKENS
+            body = await self.http.arun(write, heavy)
+        except ValueError as exc:  # NaN or Infinity: the decoder fails such rows, so this is a bug
+            raise EngineFailure(f"the answer holds a value JSON cannot carry: {exc}") from None
+        return web.Response(body=body, content_type="application/json")
 
     async def apause(self, request: web.Request) -> web.Response:
-        body = await read_json_body(request, allow_empty=True)
+        body = await self.http.aread(request, allow_empty=True)
         # retract and in_place both keep requests and their KV here (nothing else competes
         # for the memory); the KV is recomputed only if the weights change before continue
         mode = _field(body, "mode", str, "abort")
@@ -213,33 +154,31 @@ class EngineServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def acontinue(self, request: web.Request) -> web.Response:
-        await read_json_body(request, allow_empty=True)
+        await self.http.aread(request, allow_empty=True)
         self.paused = False
         self.wake.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def aabort_request(self, request: web.Request) -> web.Response:
-        body = await read_json_body(request, allow_empty=True)
+        body = await self.http.aread(request, allow_empty=True)
         rid = _field(body, "rid", str, None)
         abort_all = _field(body, "abort_all", bool, False)
         if not rid and not abort_all:
             raise BadRequest("field 'rid' is required unless 'abort_all' is true")
         async with self.step_lock:
-            self._abort(None if abort_all else rid, "aborted by /abort_request")
+            self._abort(None if abort_all else {rid}, "aborted by /abort_request")
         return web.Response(status=200)
 
     async def aupdate_from_disk(self, request: web.Request) -> web.Response:
-        body = await read_json_body(request)
+        body = await self.http.aread(request)
         path = _field(body, "model_path", str)
         if not path:
             raise BadRequest("field 'model_path' is required: an HF folder (config.json + *.safetensors)")
-        raw_version = _field(body, "weight_version", (str, int), None)
-        try:
-            version = self.decoder.version + 1 if raw_version is None else int(raw_version)
-        except ValueError:
-            raise BadRequest(f"field 'weight_version' must be an integer, got {raw_version!r}") from None
+        raw_version = body.get("weight_version")
+        parse_weight_version(raw_version, self.decoder.version)  # refused before waiting for the step
         abort_all = _field(body, "abort_all_requests", bool, False)
         async with self.step_lock:
+            version = parse_weight_version(raw_version, self.decoder.version)  # another update may have landed
             if abort_all:
                 self._abort(None, "aborted for a weight update")
             try:  # off the event loop: health and control routes answer during a long load
@@ -304,7 +243,7 @@ class EngineServer:
             seq = await asyncio.wait_for(asyncio.shield(fut), timeout=HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineFailure, ShuttingDown) as exc:
             async with self.step_lock:  # do not leave the probe behind in the batch
-                self._abort(rid, "health probe ended")
+                self._abort({rid}, "health probe ended")
             return web.json_response({"error": f"health generation failed: {exc}"}, status=503)
         if not all(math.isfinite(lp) for lp in seq.logprobs):
             return web.json_response({"error": f"the model gives non-finite log-probs {seq.logprobs}"}, status=503)
@@ -324,7 +263,9 @@ class EngineServer:
         })
 
     async def aserver_info(self, request: web.Request) -> web.Response:
-        """Scheduler state (SGLang has /get_server_info): what is running and how far along."""
+        """Scheduler state (SGLang has /get_server_info): what is running and how far along,
+        what was dropped for clients that hung up, and the bounds on one request."""
+        limits = self.http.limits
         return web.json_response({
             "weight_version": str(self.decoder.version),
             "paused": self.paused,
@@ -332,6 +273,10 @@ class EngineServer:
             "num_waiting": len(self.pending),
             "running": [{"rid": s.rid, "generated": len(s.output_ids)} for s in self.decoder.rows],
             "tokens_generated": self.decoder.tokens_generated,
+            "aborted_disconnected": self.aborted_disconnected,  # prompts dropped: their client hung up
+            "client_disconnects": self.client_disconnects,  # requests whose client hung up
+            "limits": {"max_prompts_per_request": limits.max_prompts, "max_request_tokens": limits.max_tokens,
+                       "max_body_bytes": limits.max_body_bytes, "body_timeout_s": limits.body_timeout_s},
         })
 
     async def aflush_cache(self, request: web.Request) -> web.Response:
@@ -339,7 +284,8 @@ class EngineServer:
 
     # ---- app ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
+        app = web.Application(middlewares=[self._authorize, error_middleware(self._on_gone)],
+                              client_max_size=self.http.limits.max_body_bytes)
         r = app.router
         r.add_post("/generate", self.agenerate)
         r.add_post("/pause_generation", self.apause)
@@ -360,23 +306,15 @@ class EngineServer:
         return app
 
     @web.middleware
-    async def _middleware(self, request: web.Request, handler):
+    async def _authorize(self, request: web.Request, handler):
         if self.api_key is not None:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return web.json_response({"error": "missing or wrong API key (send 'Authorization: Bearer KEY')"}, status=401)
-        try:
-            return await handler(request)
-        except BadRequest as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        except EngineFailure as exc:
-            return web.json_response({"error": str(exc)}, status=500)
-        except ShuttingDown as exc:
-            return web.json_response({"error": str(exc)}, status=503)
+        return await handler(request)
 
     async def _astart(self, app: web.Application) -> None:
-        self.step_lock, self.wake, self.progress = asyncio.Lock(), asyncio.Event(), asyncio.Condition()
-        self.loop_task = asyncio.create_task(self.aloop())
+        self.start_loop()
 
     async def _ashutdown(self, app: web.Application) -> None:
         """SIGTERM: answer every open request now (503), so that no handler holds the exit."""
@@ -394,6 +332,7 @@ class EngineServer:
         if self.loop_task is not None:
             self.loop_task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
 
 
 def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: str | None = None,
@@ -404,8 +343,30 @@ def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: 
     return cmd + (["--api-key", api_key] if api_key else [])
 
 
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
+    d = Limits()
+    ap.add_argument("--max-prompts-per-request", type=_positive(int), default=d.max_prompts,
+                    help=f"prompts in one /generate request at most (413 beyond; default {d.max_prompts})")
+    ap.add_argument("--max-request-tokens", type=_positive(int), default=d.max_tokens,
+                    help=f"prompt tokens of one request, summed, at most (413 beyond; default {d.max_tokens})")
+    ap.add_argument("--max-body-mb", type=_positive(float), default=d.max_body_bytes / 1024**2,
+                    help=f"request body size in MiB at most (413 beyond; default {d.max_body_bytes // 1024**2})")
+    ap.add_argument("--body-timeout-s", type=_positive(float), default=d.body_timeout_s,
+                    help=f"seconds to receive a request body (408 and closed after; default {d.body_timeout_s:g})")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`darl-engine --model HF_DIR --host 127.0.0.1 --port P [--api-key K] [--threads N] [--max-batch N]`."""
+    """`darl-engine --model HF_DIR --host 127.0.0.1 --port P [--api-key K] [--threads N] [--max-batch N]
+    [--max-prompts-per-request N] [--max-request-tokens N] [--max-body-mb M] [--body-timeout-s S]`."""
     ap = argparse.ArgumentParser(prog="darl-engine", description="Embedded rollout engine speaking SGLang's HTTP protocol.")
     ap.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -416,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without a seed")
+    _add_limit_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -425,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
         decoder = Decoder(args.model, device=device, max_batch=args.max_batch, seed=args.seed)
     except (WeightLoadError, OSError) as exc:
         sys.exit(f"darl-engine: cannot load --model {args.model}: {exc}")
-    server = EngineServer(decoder, str(Path(args.model)), api_key=args.api_key)
+    limits = Limits(max_prompts=args.max_prompts_per_request, max_tokens=args.max_request_tokens,
+                    max_body_bytes=int(args.max_body_mb * 1024**2), body_timeout_s=args.body_timeout_s)
+    gc.freeze()  # the model and the imports stay: a full collection (GIL held) walks only what requests make
+    server = EngineServer(decoder, str(Path(args.model)), api_key=args.api_key, limits=limits)
     print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device}, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
                 backlog=LISTEN_BACKLOG, shutdown_timeout=5.0)

@@ -10,7 +10,8 @@ abort_all_requests, weight_version, load_format) receives one broadcast per tens
 in the order of `names`, as SGLang does without a load_format; the tensors of a version may come
 in several calls (buckets): they are kept until a call carries `weight_version`, then checked
 (every tensor of the model, the expected shapes, finite) and swapped in between decode steps,
-the version set from `weight_version`. `/destroy_weights_update_group` leaves a group.
+the version set from `weight_version` (an int64 never below the current version, else 400 and
+the old weights stay). `/destroy_weights_update_group` leaves a group.
 Failures answer 400 with {"success": false, "message"}, as SGLang's routes do; nothing is
 half-loaded. Every receive fails after the group's timeout (RECEIVE_TIMEOUT_S).
 What it is not: the folder route (`/update_weights_from_disk`, server.py) or the sender.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_darl.engine.decoder import IGNORED_SUFFIXES, WeightLoadError
-from megatron_darl.engine.requests import BadRequest, read_json_body
+from megatron_darl.engine.requests import BadRequest, parse_weight_version
 
 log = logging.getLogger(__name__)
 RECEIVE_TIMEOUT_S = 300.0  # a join or a broadcast the learner never completes fails after this
@@ -80,7 +81,7 @@ class WeightGroupRoutes:
         router.add_post("/destroy_weights_update_group", self.adestroy)
 
     async def _abody(self, request: web.Request) -> dict:
-        return await read_json_body(request)
+        return await self.server.http.aread(request)
 
     async def ainit(self, request: web.Request) -> web.Response:
         from megatron_darl.channel.process_group import init_custom_group
@@ -136,20 +137,20 @@ class WeightGroupRoutes:
             return _fail(f"Failed to receive weights over {body.get('group_name')!r}: {exc}")
         if version is None:
             return web.json_response({"success": True, "message": f"Received {len(names)} tensors."})
-        return await self._aswap(str(version), bool(body.get("abort_all_requests", False)))
+        return await self._aswap(version, bool(body.get("abort_all_requests", False)))
 
-    async def _aswap(self, raw_version: str, abort_all: bool) -> web.Response:
+    async def _aswap(self, raw_version: object, abort_all: bool) -> web.Response:
         srv, received = self.server, self.received
         self.received = {}
-        try:
-            version = int(raw_version)
-        except ValueError:
-            return _fail(f"weight_version must be an integer for this engine, got {raw_version!r}")
         try:
             tensors = check_received(received, srv.decoder.spec)
         except WeightLoadError as exc:
             return _fail(f"weights not loaded, version stays {srv.decoder.version}: {exc}")
         async with srv.step_lock:  # between decode steps
+            try:  # an int64 that never goes back, as /update_weights_from_disk
+                version = parse_weight_version(raw_version, srv.decoder.version)
+            except BadRequest as exc:
+                return _fail(f"weights not loaded, version stays {srv.decoder.version}: {exc}")
             if abort_all:
                 srv._abort(None, "aborted for a weight update")
             srv.decoder.use_tensors(tensors)

@@ -89,9 +89,10 @@ async def serving(server) -> AsyncIterator[str]:
 
 @contextmanager
 def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_batch: int = 32,
-                    startup_s: float = 60.0) -> Iterator[list[tuple[str, subprocess.Popen]]]:
-    """One darl-engine per (model_dir, api_key), each logging to `<log_dir>/engine<i>.log`; yields
-    their (url, process) once all answer /health, and always stops them on exit."""
+                    startup_s: float = 60.0, extra_args: tuple[str, ...] = ()) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """One darl-engine per (model_dir, api_key) with `extra_args` (more darl-engine flags), each
+    logging to `<log_dir>/engine<i>.log`; yields their (url, process) once all answer /health, and
+    always stops them on exit."""
     from megatron_darl.engine.server import engine_command
     from megatron_darl.launch.engine_host import healthy
 
@@ -101,7 +102,8 @@ def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_bat
         for i, (model_dir, key) in enumerate(specs):
             port = free_port()
             logs.append(open(Path(log_dir) / f"engine{i}.log", "w"))
-            procs.append(subprocess.Popen(engine_command(str(model_dir), port, api_key=key, max_batch=max_batch),
+            argv = engine_command(str(model_dir), port, api_key=key, max_batch=max_batch) + list(extra_args)
+            procs.append(subprocess.Popen(argv,
                                           stdout=logs[-1], stderr=subprocess.STDOUT, env=env, cwd=REPO))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + startup_s
