@@ -62,7 +62,10 @@ class DataConfig:
     chat_template: bool = True  # format through the tokenizer's chat template; false: the raw prompt_template
     prompt_template: str = "{question}"  # user message; fields: {question} and any scalar metadata key
     chat_kwargs: dict[str, Any] = field(default_factory=dict)  # apply_chat_template extras: {enable_thinking: false}
-    max_prompt_tokens: int = 1024  # longer prompts are counted as bad rows and skipped
+    # longer prompts are counted as bad rows and skipped (prompt_too_long), as are those longer than
+    # the model's context (max_position_embeddings) less rollout.max_new_tokens, or for the held-out
+    # split eval.max_new_tokens (prompt_exceeds_context): the engines would refuse them
+    max_prompt_tokens: int = 1024
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {"format": FORMATS}
 

@@ -12,7 +12,8 @@ class EvalConfig:
     num_problems: int = 500  # problems drawn from data.eval_source (0: no evaluation)
     samples_per_problem: int = 1  # k of avg@k / pass@k
     temperature: float = 0.0  # 0 = greedy
-    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    # None: rollout.max_new_tokens; held-out prompts that do not fit the model's context beside it are skipped
+    max_new_tokens: int | None = None
     # held-out accuracy inside training every N steps (eval/periodic.py, on the learner's main
     # rank; logged as eval/accuracy), 0 = only before and after training
     every_steps: int = 0

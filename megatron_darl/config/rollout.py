@@ -26,6 +26,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # response budget of every prompt; a prompt plus it must fit the model's context
+    # (max_position_embeddings): longer prompts are skipped as bad rows, and a budget >= the context
+    # is refused before start (SGLang and darl-engine refuse such a request with a 400)
     max_new_tokens: int = 256
     pause_mode: str = "abort"  # how engines pause for a weight update: abort | retract | in_place
     partial_rollout: bool = True  # keep interrupted responses and continue them under new weights

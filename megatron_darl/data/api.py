@@ -223,6 +223,19 @@ class PromptLoader:
                 raise RuntimeError(f"no record of {self.source.name} is usable\n{self.source.report.summary()}")
         return out
 
+    def one_pass(self, n: int) -> list[Prompt]:
+        """Up to `n` prompts from the rest of this epoch, never wrapping into the next one (so
+        none repeats; fewer than `n` when rejected rows leave fewer): the held-out evaluation's
+        draw, whose problems must be distinct."""
+        out: list[Prompt] = []
+        while len(out) < n and self.position < len(self._order):
+            index = int(self._order[self.position])
+            self.position += 1
+            prompt = self._make(index)
+            if prompt is not None:
+                out.append(prompt)
+        return out
+
     def _make(self, index: int) -> Prompt | None:
         if index in self._rejected:
             return None

@@ -1,5 +1,7 @@
 """Prompt formatting: a record's question -> user message (`prompt_template`) -> chat template of
-the tokenizer (with an optional system prompt) -> token ids, with the prompt-length limit.
+the tokenizer (with an optional system prompt) -> token ids, with the prompt-length limits:
+`data.max_prompt_tokens`, and the model's context less the tokens each answer may take
+(`ContextLimit`: a longer prompt would be refused by the engine).
 
 What it is: `PromptFormatter`, whose `encode(record)` is what `PromptLoader` calls per draw.
 What it is not: tokenizer loading (`tokenizers.py`) or a place for task-specific instructions;
@@ -8,6 +10,7 @@ those belong in the record's question or in the configured template.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_darl.config.data import DataConfig, template_fields
@@ -18,8 +21,34 @@ class PromptTooLong(PromptError):
     reason = "prompt_too_long"
 
 
+class PromptExceedsContext(PromptError):
+    reason = "prompt_exceeds_context"
+
+
 class UnknownCharacters(PromptError):
     reason = "unknown_characters"
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """The model's context (`max_position_embeddings`, read from `source`) and the new tokens
+    every request of the prompt asks for (`max_new_tokens`, the config key `key`): SGLang and
+    darl-engine refuse a /generate whose prompt plus max_new_tokens exceeds the context (a 400,
+    which marks the engine down), so a prompt longer than `room` is a bad row instead."""
+
+    context: int
+    max_new_tokens: int
+    key: str  # e.g. "rollout.max_new_tokens"
+    source: str  # the config.json (or built-in model) the context came from
+
+    @property
+    def room(self) -> int:
+        """The most prompt tokens that fit (< 1: none)."""
+        return self.context - self.max_new_tokens
+
+    def describe(self) -> str:
+        return (f"the model's context of {self.context} tokens (max_position_embeddings, {self.source}) "
+                f"less {self.key}={self.max_new_tokens} leaves {self.room} for the prompt")
 
 
 def template_values(record: PromptRecord) -> dict[str, Any]:
@@ -57,6 +86,7 @@ class PromptFormatter:
         chat_template: bool = True,
         max_prompt_tokens: int = 1024,
         chat_kwargs: dict[str, Any] | None = None,
+        context: ContextLimit | None = None,
     ) -> None:
         self.fields = template_fields(prompt_template)
         if chat_template and not getattr(tokenizer, "chat_template", None):
@@ -69,10 +99,12 @@ class PromptFormatter:
         self.tokenizer, self.template, self.system_prompt = tokenizer, prompt_template, system_prompt
         self.use_chat, self.max_prompt_tokens = chat_template, max_prompt_tokens
         self.chat_kwargs = dict(chat_kwargs or {})  # e.g. {"enable_thinking": False} for Qwen3
+        self.context = context  # None: no model context to respect (only max_prompt_tokens)
         self._longest: int | None = None
 
     @classmethod
-    def from_config(cls, tokenizer: Any, cfg: DataConfig, **chat_kwargs: Any) -> PromptFormatter:
+    def from_config(cls, tokenizer: Any, cfg: DataConfig, context: ContextLimit | None = None,
+                    **chat_kwargs: Any) -> PromptFormatter:
         return cls(
             tokenizer,
             prompt_template=cfg.prompt_template,
@@ -80,6 +112,7 @@ class PromptFormatter:
             chat_template=cfg.chat_template,
             max_prompt_tokens=cfg.max_prompt_tokens,
             chat_kwargs={**cfg.chat_kwargs, **chat_kwargs},
+            context=context,
         )
 
     def user_message(self, record: PromptRecord) -> str:
@@ -100,15 +133,22 @@ class PromptFormatter:
 
     def encode(self, record: PromptRecord) -> list[int]:
         text = self.render(record)
-        if len(text) > self.max_prompt_tokens * self._longest_token():  # cannot fit: skip encoding it
+        longest = self._longest_token()
+        if len(text) > self.max_prompt_tokens * longest:  # cannot fit: skip encoding it
             raise PromptTooLong(f"{len(text)} characters: more than max_prompt_tokens={self.max_prompt_tokens} "
-                                f"tokens of at most {self._longest_token()} characters")
+                                f"tokens of at most {longest} characters")
+        room = None if self.context is None else self.context.room
+        if room is not None and len(text) > room * longest:
+            raise PromptExceedsContext(f"{len(text)} characters: more than {max(room, 0)} tokens of at most "
+                                       f"{longest} characters; {self.context.describe()}")
         ids = list(self.tokenizer.encode(text, add_special_tokens=not self.use_chat))
         unk = self.tokenizer.unk_token_id
         if unk is not None and unk in ids:
             raise UnknownCharacters(f"characters {self._unknown_chars(text)} are not in the tokenizer's vocabulary")
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(f"{len(ids)} tokens > max_prompt_tokens={self.max_prompt_tokens}")
+        if room is not None and len(ids) > room:
+            raise PromptExceedsContext(f"{len(ids)} tokens > {room}: {self.context.describe()}")
         return ids
 
     def _longest_token(self) -> int:

@@ -19,14 +19,15 @@ from megatron_darl.types import WeightVersion
 
 def eval_prompts(cfg: RunConfig, tokenizer) -> list | None:
     """The held-out problems, or None when the data has no eval split (files without
-    data.eval_source)."""
-    from megatron_darl.data.sources import build_loader
+    data.eval_source): the first `eval.num_problems` usable ones, each once. A problem too long
+    for the model's context with the evaluation's max_new_tokens (`context_limit`) is skipped,
+    counted and logged as a bad row, not sent to be refused by the engines."""
+    from megatron_darl.data.sources import build_loader, context_limit
 
-    loader = build_loader(cfg.data, tokenizer, "eval")
+    loader = build_loader(cfg.data, tokenizer, "eval", context=context_limit(cfg, "eval"))
     if loader is None:
         return None
-    n = min(cfg.eval.num_problems, len(loader.source))
-    return loader.next_batch(n)
+    return loader.one_pass(cfg.eval.num_problems)
 
 
 def stop_ids(tokenizer) -> list[int]:

@@ -3,8 +3,10 @@
 What it is: `preflight(cfg)`, the list of problems that stop a run before anything starts (each
 naming its key): the model folder and data files exist, the data sources read and fit
 `data.prompt_template`, the built-in model's warm start has reference answers, the run and
-checkpoint folders take files, the model's shapes fit the parallel layout and the learner fits
-in GPU memory (`learner/checks.py`). `darl-train` and every Slurm trainer task run it.
+checkpoint folders take files, the model's context leaves room for a prompt beside
+`rollout.max_new_tokens` / `eval.max_new_tokens`, the model's shapes fit the parallel layout and
+the learner fits in GPU memory (`learner/checks.py`). `darl-train` and every Slurm trainer task
+run it.
 What it is not: validation of the config's keys (`config/`, which any recipe passes anywhere,
 so that it prints with --print-config on a laptop).
 """
@@ -20,8 +22,8 @@ from megatron_darl.config.data import DataConfig
 def preflight(cfg: RunConfig) -> list[str]:
     """Checks against this machine before a run starts (not part of validation, so that any
     recipe prints with --print-config anywhere): model folder and data files exist, what
-    `_machine_checks` checks, the model's shapes fit the parallel layout and the learner fits in
-    GPU memory."""
+    `_machine_checks` checks, max_new_tokens leaves room in the model's context, the model's
+    shapes fit the parallel layout and the learner fits in GPU memory."""
     errors = [f"data.{k}: {m}" for k, m in cfg.data.missing_files()]
     hf = cfg.model.hf_dir
     if not hf.startswith("builtin:") and not os.path.isfile(os.path.join(hf, "config.json")):
@@ -31,7 +33,30 @@ def preflight(cfg: RunConfig) -> list[str]:
         errors.append(f"model.tokenizer: folder not found: {tok!r}")
     from megatron_darl.learner.checks import learner_checks
 
-    return errors + _machine_checks(cfg) + learner_checks(cfg)
+    return errors + _machine_checks(cfg) + context_checks(cfg) + learner_checks(cfg)
+
+
+def context_checks(cfg: RunConfig) -> list[str]:
+    """A request asks for its prompt plus max_new_tokens positions, which SGLang and darl-engine
+    refuse beyond the model's context (a 400 marks the engine down; the loaders skip prompts
+    that do not fit): a max_new_tokens that leaves no position for a prompt fits no prompt."""
+    from megatron_darl.learner.checks import model_context
+
+    context, source = model_context(cfg)
+    if context is None:
+        return []  # a missing config.json is named above
+    budgets = [("rollout.max_new_tokens", cfg.rollout.max_new_tokens)]
+    if cfg.eval.max_new_tokens and cfg.eval.num_problems > 0:
+        budgets.append(("eval.max_new_tokens", cfg.eval.max_new_tokens))
+    return [_no_room(key, new, context, source, cfg.data.max_prompt_tokens) for key, new in budgets if new >= context]
+
+
+def _no_room(key: str, new: int, context: int, source: str, most: int) -> str:
+    fits_all = f"; every prompt of up to data.max_prompt_tokens={most}: {key} <= {context - most}" \
+        if context > most else ""
+    return (f"{key}={new} >= the model's context of {context} tokens (max_position_embeddings in {source}): no "
+            f"prompt fits beside it, since SGLang and darl-engine refuse a prompt plus max_new_tokens beyond the "
+            f"context; a prompt of n tokens needs {key} <= {context} - n{fits_all}")
 
 
 def _machine_checks(cfg: RunConfig) -> list[str]:

@@ -64,11 +64,12 @@ def reference_answer(prompt: Any) -> str:
 def check_answers(cfg: RunConfig) -> list[str]:
     """Before start, for the built-in model on a file source: its warm start trains on reference
     answers, so the rows must have them (code tasks and custom files without data.answer_field do
-    not), and its tokenizer (the demo's character set) must encode some of them. Generated
-    (reasoning-gym) tasks have both by construction."""
+    not), and its tokenizer (the demo's character set) must encode some of them into prompts that
+    fit the model's context beside rollout.max_new_tokens. Generated (reasoning-gym) tasks have
+    both by construction."""
     if cfg.model.hf_dir != BUILTIN_MODEL or cfg.data.missing_files():
         return []
-    from megatron_darl.data.sources import build_loader, build_source
+    from megatron_darl.data.sources import build_loader, build_source, context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
 
     try:
@@ -89,7 +90,7 @@ def check_answers(cfg: RunConfig) -> list[str]:
     if not quiet.handlers:
         quiet.addHandler(logging.NullHandler())  # without one, logging's last resort prints them
     try:
-        build_loader(cfg.data, load_tokenizer(tokenizer), logger=quiet, progress=False)
+        build_loader(cfg.data, load_tokenizer(tokenizer), logger=quiet, progress=False, context=context_limit(cfg))
     except ValueError as e:
         return [f"data.source: {BUILTIN_MODEL} with tokenizer {tokenizer} cannot use this data: {e}"]
     return []

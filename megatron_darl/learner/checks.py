@@ -2,7 +2,8 @@
 
 What it is: `model_shapes(cfg)` finds the model's config.json facts without loading weights
 (an HF folder, a `darl-convert` Megatron folder, the built-in demo model, or, for `--plan` on a
-machine without the weights, the published shapes of the models the shipped recipes name);
+machine without the weights, the published shapes of the models the shipped recipes name), and
+`model_context(cfg)` its context (`max_position_embeddings`);
 `layout_errors` checks that tensor parallelism divides the attention heads, KV heads and FFN
 width, that pipeline stages divide the layers, and that the learner world size
 (`launch.learner_procs_per_node` x trainer nodes) is a multiple of tp x pp, naming the keys and
@@ -67,6 +68,23 @@ def model_shapes(cfg) -> tuple[dict[str, Any] | None, str]:
         return dict(PUBLISHED[name]), f"published config of {os.path.basename(os.path.normpath(hf_dir))} " \
                                       f"(no config.json in {hf_dir!r})"
     return None, f"no config.json in {hf_dir!r}"
+
+
+def model_context(cfg) -> tuple[int | None, str]:
+    """(the model's context, the file it came from): `max_position_embeddings` of its config.json
+    (the built-in model's without its tokenizer), the most positions a prompt plus its
+    generation may take on darl-engine and on SGLang, which serve `model.hf_dir` (external SGLang
+    servers too: their context is the model's); (None, why) when it cannot be known."""
+    from megatron_darl.config.learner import BUILTIN_MODEL, TINY_QWEN3
+
+    if cfg.model.hf_dir == BUILTIN_MODEL:
+        return int(TINY_QWEN3["max_position_embeddings"]), f"built-in model {BUILTIN_MODEL} (config/learner.py)"
+    if cfg.model.hf_dir.startswith("builtin:"):
+        return None, f"unknown built-in model {cfg.model.hf_dir!r}"
+    hf, source = model_shapes(cfg)
+    if hf is None or hf.get("max_position_embeddings") is None:
+        return None, source if hf is None else f"{source} has no max_position_embeddings"
+    return int(hf["max_position_embeddings"]), source
 
 
 def _divisors(n: int) -> list[int]:

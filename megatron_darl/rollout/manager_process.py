@@ -260,7 +260,7 @@ def _handle_signals(mgr: RolloutManager, stop_timeout_s: float) -> None:
 
 async def _amain(args: argparse.Namespace) -> None:
     from megatron_darl.channel.shm_ring import ShmRing
-    from megatron_darl.data.sources import build_loader
+    from megatron_darl.data.sources import build_loader, context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
     from megatron_darl.rewards.pool import RewardPool
     from megatron_darl.rollout.staleness import StalenessGate
@@ -269,7 +269,7 @@ async def _amain(args: argparse.Namespace) -> None:
     cfg, where = _settings(args)
     rc = cfg.rollout
     tokenizer = load_tokenizer(cfg.model.tokenizer_dir)
-    loader = build_loader(cfg.data, tokenizer)
+    loader = build_loader(cfg.data, tokenizer, context=context_limit(cfg, "train"))  # prompts the engines take
     engines, restarter = await _aengines(cfg, where, args)
     ring = ShmRing.attach(where["ring"], timeout=cfg.launch.engine_startup_s(cfg.rollout.backend))
     sink = RingSink(ring)

@@ -60,7 +60,7 @@ async def _await_healthy(engine, proc: subprocess.Popen, timeout_s: float) -> No
 
 
 def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
-    from megatron_darl.data.sources import build_loader
+    from megatron_darl.data.sources import build_loader, context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
     from megatron_darl.learner.megatron_learner import MegatronLearner
     from megatron_darl.rewards.pool import RewardPool
@@ -72,7 +72,7 @@ def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
 
     os.makedirs(work_dir, exist_ok=True)
     tok = load_tokenizer(cfg.model.tokenizer_dir)
-    loader = build_loader(cfg.data, tok)
+    loader = build_loader(cfg.data, tok, context=context_limit(cfg))  # as the rollout manager's
     port = free_port()
     proc = _start_engine(cfg, port, os.path.join(work_dir, "ref_engine.log"))
     pool = RewardPool(cfg.reward)
