@@ -1,6 +1,7 @@
 """Shared pytest setup: one thread per process (2-core machines), GPU tests skip with a reason,
 and the fixtures more than one folder uses, defined once: `warm_model` (a warm-started tiny model,
-made once per session) and `demo_tok` (the demo tokenizer). Harnesses live in `tests/helpers/`."""
+made once per session), `demo_tok` (the demo tokenizer) and `sandbox_runs_here` (the code sandbox
+runs on this machine). Harnesses live in `tests/helpers/`."""
 
 import os
 
@@ -27,6 +28,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def sandbox_runs_here() -> None:
+    """The code sandbox runs here, else the test skips saying why, or fails where
+    DARL_REQUIRE_SANDBOX=1 (`needs_sandbox` in tests/helpers/sandbox.py)."""
+    from tests.helpers.sandbox import require_sandbox
+
+    require_sandbox()
 
 
 @pytest.fixture(scope="session")

@@ -110,9 +110,11 @@ class _Worker:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        # a sandboxed program this worker started runs as uid_base + the worker's pid (its
-        # main thread id); without a PID namespace it would outlive the worker
-        kill_uid(uid_base + self.proc.pid)
+        if os.geteuid() == 0:
+            # a sandboxed program this worker started runs as uid_base + the worker's pid (its
+            # main thread id); without a PID namespace it would outlive the worker. As a user it
+            # always has one, whose PID 1 dies with its launcher (sandbox_launcher.py)
+            kill_uid(uid_base + self.proc.pid)
         shutil.rmtree(self.tmp, ignore_errors=True)
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:

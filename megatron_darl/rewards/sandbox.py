@@ -1,19 +1,22 @@
 """Run one untrusted program in a confined child process and report how it ended.
 
 What it is: `run_sandboxed(program, stdin, limits)` writes the program to a private folder and
-starts `sandbox_launcher.py` as root in a new session. The launcher isolates the child (network,
-mount and PID namespaces; where the kernel refuses them the program does not run, and
-`sandbox_problem()` says so before a run starts), sets CPU-time, address-space, file-size and process-count limits,
-drops to a dedicated uid and runs the program in a fresh scratch folder with a scrubbed
-environment. This side enforces the wall-time limit by killing the whole session, then kills
-everything the sandbox uid still runs.
+starts `sandbox_launcher.py` in a new session. The launcher isolates the child and runs the
+program in a fresh scratch folder with a scrubbed environment and CPU-time, address-space,
+file-size and process-count limits; where the kernel refuses the isolation the program does not
+run (SandboxRefused), and `sandbox_problem()` says so, naming the fix, before a run starts.
+This side enforces the wall-time limit by killing the launcher's whole session. Two paths:
+  root   network, mount and PID namespaces, every mount read-only with a private /tmp, and a
+         dedicated uid per caller thread (`uid_base + native thread id`): RLIMIT_NPROC counts
+         every process of a real uid machine-wide, so sandboxes sharing one uid would share one
+         budget, and the final `kill(-1)` as that uid (`kill_uid`) would hit unrelated programs
+  user   any other uid (a cluster job): a user namespace as well (sandbox_userns.py), a new root
+         that shows only the system folders and the interpreter, the program as uid 1000 of a
+         nested user namespace without capabilities; Linux 5.15+ counts RLIMIT_NPROC per user
+         namespace, so each program has its own budget, and its processes die with the PID
+         namespace's PID 1 (no uid to kill)
 What it is not: a grader (code_grader.py decides pass/fail from the result) or a defence
-against kernel exploits. It needs root: as root, RLIMIT_NPROC does not bind, so the program must
-run as another user before it can fork.
-
-Why a uid per caller thread (`uid_base + native thread id`) rather than `nobody`: RLIMIT_NPROC
-counts every process of the real uid machine-wide, so sandboxes sharing one uid would share one
-process budget, and the final `kill(-1)` as that uid would hit unrelated programs.
+against kernel exploits.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     wall_s: float
-    isolation: tuple[str, ...]  # namespaces obtained: subset of ("net", "mount", "pid")
+    isolation: tuple[str, ...]  # namespaces obtained: subset of ("user", "net", "mount", "pid")
 
     @property
     def passed(self) -> bool:
@@ -110,10 +113,8 @@ def kill_uid(uid: int) -> None:
 
 def sandbox_problem(limits: SandboxLimits | None = None) -> str | None:
     """Why code cannot be graded on this machine, or None: checked before a run that grades code
-    starts (not root; namespaces refused, as in a container without CAP_SYS_ADMIN), by running
-    one trivial program the way every graded program runs."""
-    if os.geteuid() != 0:
-        return _NOT_ROOT.format(uid=os.geteuid())
+    starts (namespaces refused: a container without CAP_SYS_ADMIN as root, user namespaces
+    disabled for a user), by running one trivial program the way every graded program runs."""
     try:
         result = run_sandboxed("print('ok')", "", limits)
         if result.status == "ok" and result.stdout.strip() == "ok":
@@ -121,13 +122,39 @@ def sandbox_problem(limits: SandboxLimits | None = None) -> str | None:
         why = result.stderr.strip()[-500:]
     except SandboxRefused as exc:
         why = str(exc)
+    if os.geteuid() != 0:
+        return _user_problem(why)
     return (f"the code sandbox cannot run a program here: {why} "
             "(it needs network, mount and PID namespaces: in a container, run it with "
             "--cap-add SYS_ADMIN and a seccomp profile that allows unshare and mount, or --privileged)")
 
 
-_NOT_ROOT = ("the code sandbox needs root (it drops each program to a dedicated unprivileged uid "
-             "and unshares namespaces; running as uid {uid}): run as root, e.g. in a container")
+# (sysctl, value that blocks user namespaces, where it exists)
+_USERNS_SWITCHES = (("kernel.unprivileged_userns_clone", "0", "Debian and Ubuntu kernels"),
+                    ("kernel.apparmor_restrict_unprivileged_userns", "1", "Ubuntu 24.04+, AppArmor"))
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        with open("/proc/sys/" + name.replace(".", "/")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _user_problem(why: str) -> str:
+    """The message for an ordinary user: what refused, and every switch that enables user
+    namespaces, with the value each has here."""
+    limit = _sysctl("user.max_user_namespaces")
+    fixes = [f"`sysctl -w user.max_user_namespaces=15000` (here: {limit if limit is not None else 'absent'})"]
+    for name, blocking, where in _USERNS_SWITCHES:
+        value = _sysctl(name)
+        state = "absent" if value is None else value + (", which blocks them" if value == blocking else "")
+        fixes.append(f"`sysctl -w {name}={1 - int(blocking)}` ({where}; here: {state})")
+    return (f"the code sandbox cannot run a program here as uid {os.geteuid()}: {why}. As an "
+            "ordinary user it needs user namespaces (Linux 5.15+); as root, enable them with "
+            + ", ".join(fixes) + "; in a container, a seccomp profile that allows unshare with "
+            "CLONE_NEWUSER; or run the rewards as root (in a container: --cap-add SYS_ADMIN)")
 
 
 def run_sandboxed(
@@ -135,30 +162,35 @@ def run_sandboxed(
 ) -> SandboxResult:
     """Run Python source `program` confined, feeding it `stdin`; never raises for what the
     program does. Where the namespaces are refused the program does not run: SandboxRefused
-    names why (the reward worker reports it as a grader error). `isolate=False` skips them for the audit-hook fallback, which the
-    tests exercise: it cannot stop a subprocess, so nothing else uses it."""
+    names why (the reward worker reports it as a grader error). `isolate=False` skips them for
+    the audit-hook fallback, which the tests exercise (root only: it relies on the dedicated
+    uid): it cannot stop a subprocess, so nothing else uses it."""
     limits = limits or SandboxLimits()
-    if os.geteuid() != 0:
-        raise PermissionError(f"run_sandboxed: {_NOT_ROOT.format(uid=os.geteuid())}")
-    uid = sandbox_uid(limits)
+    root = os.geteuid() == 0
+    if not (root or isolate):
+        raise PermissionError(f"run_sandboxed(isolate=False): the audit-hook fallback needs root (a "
+                              f"dedicated uid); as uid {os.geteuid()} programs run in user namespaces")
+    uid = sandbox_uid(limits) if root else os.geteuid()
     host = tempfile.mkdtemp(prefix="darl-sandbox-")  # 0700, root's: specs and captured output
     scratch = tempfile.mkdtemp(prefix="darl-scratch-")  # used only where no private /tmp
     names = ("spec", "program", "stdin", "stdout", "stderr", "report")
     paths = {k: os.path.join(host, k) for k in names}
     try:
-        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate)
+        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root)
         start = time.monotonic()
         returncode, timed_out = _launch(paths, limits.wall_s)
         wall = time.monotonic() - start
         return _collect(paths, returncode, timed_out, wall)
     finally:
-        kill_uid(uid)  # also on an exception here: nothing of this run may survive it
+        if root:  # also on an exception here: nothing of this run may survive it (a user's
+            kill_uid(uid)  # sandbox ends with its PID namespace: the launcher's SIGTERM, PDEATHSIG)
         shutil.rmtree(host, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate) -> None:
+def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root) -> None:
     spec = {
+        "mode": "root" if root else "user",
         "uid": uid,
         "parent_pid": os.getpid(),
         "python": sys.executable,
@@ -166,7 +198,7 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate) -> None:
         "program": paths["program"],
         "report": paths["report"],
         "fallback_scratch": scratch,
-        # where the private /tmp is prepared before it is moved onto /tmp (inside our 0700 folder)
+        # where the private /tmp (root) or the new root (user) is prepared, inside our 0700 folder
         "stage": os.path.join(os.path.dirname(paths["spec"]), "private-tmp"),
         "isolate": bool(isolate),
         # installs the interpreter needs, made reachable inside a private mount namespace

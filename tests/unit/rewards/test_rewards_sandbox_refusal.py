@@ -2,10 +2,12 @@
 
 Before, a machine that refused namespaces (a container without CAP_SYS_ADMIN, Docker's default)
 ran every program under the audit-hook fallback, which cannot stop a subprocess, and said
-nothing; a non-root run errored on every code item. Now the launcher does not run the program
-without its namespaces (SandboxRefused: a grader error the pool logs, not a score of 0), and a
-run whose data are code tasks stops before it starts, naming the reason. The refusal is reproduced for real: the child processes drop CAP_SYS_ADMIN
-(`setpriv`, as Docker does) or root itself.
+nothing. Now the launcher does not run the program without its namespaces (SandboxRefused: a
+grader error the pool logs, not a score of 0), and a run whose data are code tasks stops before
+it starts, naming the reason. The refusal is reproduced for real: as root, the child processes
+drop CAP_SYS_ADMIN (`setpriv`, as Docker does); as an ordinary user (issue 33: the user path
+needs user namespaces), they run where no user namespace can be made, and the message names
+every switch that enables them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import sys
 
 import pytest
 
-from megatron_darl.rewards.sandbox import sandbox_problem
 from tests.helpers import repo_env
 
 NO_SYS_ADMIN = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
@@ -70,34 +71,28 @@ def test_without_namespaces_the_program_does_not_run_and_a_code_run_is_refused(t
     assert out["procedural"] == []  # a run without code tasks does not need the sandbox
 
 
-NOT_ROOT = """
-import os
-from megatron_darl.rewards.sandbox import run_sandboxed, sandbox_problem
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-try:
-    run_sandboxed("print('ran')", "")
-    print("ran")
-except PermissionError as exc:
-    print("refused:", exc)
-print(sandbox_problem())
-"""
+# an ordinary user (uid 1000, no capabilities) whose machine allows no further user namespace:
+# a user namespace of our own caps its descendants at one (max_user_namespaces is counted per
+# namespace, for it and every namespace below), and the nested one the user runs in takes it
+NO_USERNS = ["unshare", "--user", "--map-root-user", "sh", "-c",
+             'echo 1 > /proc/sys/user/max_user_namespaces && exec unshare --user --map-user=1000 --map-group=1000 "$@"',
+             "sh"]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="as root, test_a_code_run_is_refused_when_not_root drops to uid 65534")
-def test_not_root_is_named_before_a_code_run_starts():
-    from megatron_darl.config.data import DataConfig
-    from megatron_darl.launch.preflight import data_checks
-
-    problem = sandbox_problem()
-    assert problem and "needs root" in problem and f"uid {os.geteuid()}" in problem
-    assert any("code tasks, but the code sandbox needs root" in e for e in data_checks(DataConfig(source="humaneval")))
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user, which needs root")
-def test_a_code_run_is_refused_when_not_root():
-    done = subprocess.run([sys.executable, "-c", NOT_ROOT], env=repo_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    refused, problem = done.stdout.strip().splitlines()[-2:]
-    assert refused.startswith("refused: run_sandboxed: the code sandbox needs root")
-    assert problem.startswith("the code sandbox needs root") and "uid 65534" in problem
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_without_user_namespaces_a_user_is_refused_naming_the_switches(tmp_path):
+    if subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode != 0:
+        pytest.skip("user namespaces are already refused here: the probe needs one to take them away")
+    out = _probe(NO_USERNS, tmp_path)
+    assert not out["ran"], "the program ran without its user namespace"
+    assert out["status"] == "refused"
+    assert "unshare(user namespace): No space left on device (ENOSPC)" in out["stderr"]
+    assert out["graded"]["status"] == "error" and "SandboxRefused" in out["graded"]["detail"]  # the pool logs it
+    problem = out["problem"]
+    assert problem.startswith("the code sandbox cannot run a program here as uid 1000: ")
+    for switch in ("sysctl -w user.max_user_namespaces=", "sysctl -w kernel.unprivileged_userns_clone=1",
+                   "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0", "CLONE_NEWUSER", "as root"):
+        assert switch in problem, problem
+    assert any(e.startswith("data.source: code tasks, but the code sandbox cannot run a program here as uid 1000")
+               for e in out["preflight"])
+    assert out["procedural"] == []  # a run without code tasks does not need the sandbox
