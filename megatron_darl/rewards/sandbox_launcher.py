@@ -1,7 +1,7 @@
 """The child side of the code sandbox: a standalone script that confines, then runs, one program.
 
 What it is: the program `sandbox.run_sandboxed` starts (`python -I -S sandbox_launcher.py
-SPEC.json`) in a new session, in one of two modes:
+SPEC`) in a new session, in one of two modes:
   root  detaches from the host (network, mount and PID namespaces; where the kernel refuses one
         it reports why and exits, status 123, without running the program, unless the caller
         chose the audit-hook fallback, `isolate=False`), makes every mount read-only and gives
@@ -19,11 +19,11 @@ What it is not: importable library code (stdlib only, no package imports, so it 
 runs without the package on the path), nor a defence against kernel exploits.
 """
 
+import _signal as signal  # the C module: `signal` imports enum, ~10 ms per program
 import ctypes
-import json
+import marshal
 import os
 import resource
-import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
@@ -296,7 +296,7 @@ def _stop(spec: dict) -> None:
 def _refuse(report, isolation: list[str], scratch: str, why: str) -> None:
     """Report why the program did not run, and exit: the caller raises SandboxRefused."""
     with report:
-        json.dump({"isolation": isolation, "scratch": scratch, "refused": why}, report)
+        marshal.dump({"isolation": isolation, "scratch": scratch, "refused": why}, report)
     os._exit(REFUSED)
 
 
@@ -321,7 +321,7 @@ def _main_user(spec: dict, code: bytes, report, libc) -> int:
         except (userns.Refused, OSError) as exc:
             _refuse(report, [], SCRATCH, str(exc))
         with report:
-            json.dump({"isolation": userns.ISOLATION, "scratch": SCRATCH}, report)
+            marshal.dump({"isolation": userns.ISOLATION, "scratch": SCRATCH}, report)
         os._exit(_run_init(spec, SCRATCH, userns.ISOLATION, libc))
     report.close()
     _INIT["pid"] = init
@@ -331,12 +331,12 @@ def _main_user(spec: dict, code: bytes, report, libc) -> int:
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
+    with open(sys.argv[1], "rb") as f:
+        spec = marshal.load(f)  # written by sandbox.py with this interpreter
     # read and open everything on the host's /tmp before a private /tmp may hide it
     with open(spec["program"], "rb") as f:
         code = f.read()
-    report = open(spec["report"], "w")
+    report = open(spec["report"], "wb")
     libc = _libc()
     signal.signal(signal.SIGTERM, lambda *_: _stop(spec))
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -368,7 +368,7 @@ def main() -> None:
         _refuse(report, isolation, scratch, "; ".join(refused))
     _stage_program(spec, scratch, code)
     with report:
-        json.dump({"isolation": isolation, "scratch": scratch}, report)
+        marshal.dump({"isolation": isolation, "scratch": scratch}, report)
     if "pid" in isolation:
         # after unshare(CLONE_NEWPID) only our next child enters the namespace, as its PID 1
         init = os.fork()
