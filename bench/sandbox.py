@@ -76,7 +76,8 @@ def bwrap_reward(item: RewardInput) -> float:
     from megatron_darl.rewards import code_grader
 
     code_grader.run_sandboxed = bwrap_run
-    score, _ = code_grader.grade_code(item.response, item.answer, code_grader.limits_from_config(RewardConfig(**POOL)))
+    limits = code_grader.limits_from_config(RewardConfig(**POOL))
+    score, _ = code_grader.grade_code(item.response, item.answer, limits)
     return score
 
 
@@ -178,7 +179,8 @@ def main() -> None:
                 {p: measure(p, args.programs, args.workers) for p in others}
             for p in others:
                 rates[p].append(got[p])
-        print(f"round {round_}: " + ", ".join(f"{p} {rates[p][-1]:.2f}" for p in paths) + " programs/s", flush=True)
+        line = ", ".join(f"{p} {rates[p][-1]:.2f}" for p in paths)
+        print(f"round {round_}: {line} programs/s", flush=True)
     median = {p: statistics.median(v) for p, v in rates.items()}
     result = {f"{p}_programs_per_s": round(v, 2) for p, v in median.items()}
     for p in ("user", "bwrap"):
@@ -186,7 +188,8 @@ def main() -> None:
             result[f"{p}_over_root"] = round(median[p] / median["root"], 3)
     print(" | ".join(f"{p}: {median[p]:.2f} programs/s" for p in paths)
           + "".join(f" | {k}: {v}" for k, v in result.items() if k.endswith("over_root")))
-    result.update(workers=args.workers, programs=args.programs, rounds=args.rounds, bwrap=bool(shutil.which("bwrap")))
+    result.update(workers=args.workers, programs=args.programs, rounds=args.rounds,
+                  bwrap=bool(shutil.which("bwrap")))
     print(json.dumps(result))
 
 

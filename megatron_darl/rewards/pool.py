@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 from megatron_darl.config.rewards import RewardConfig
 from megatron_darl.rewards.api import RewardInput, RewardResult
-from megatron_darl.rewards.sandbox import SandboxLimits, kill_uid
+from megatron_darl.rewards.sandbox import SandboxLimits, kill_uid, root_path
 from megatron_darl.rewards.worker import load_reward_fn
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class _Worker:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        if os.geteuid() == 0:
+        if root_path():
             # a sandboxed program this worker started runs as uid_base + the worker's pid (its
             # main thread id); without a PID namespace it would outlive the worker. As a user it
             # always has one, whose PID 1 dies with its launcher (sandbox_launcher.py)

@@ -21,6 +21,7 @@ against kernel exploits.
 
 from __future__ import annotations
 
+import functools
 import marshal
 import os
 import select
@@ -89,6 +90,22 @@ class SandboxResult:
         return self.status == "ok"
 
 
+def root_path() -> bool:
+    """Whether programs take the root path: this process is root of the machine. Root of a user
+    namespace (a rootless container: enroot, podman) cannot become the dedicated uids, so it
+    takes the user path, as does every other uid."""
+    return os.geteuid() == 0 and _initial_user_namespace()
+
+
+@functools.cache
+def _initial_user_namespace() -> bool:
+    try:
+        with open("/proc/self/uid_map") as f:
+            return f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return True  # no user namespaces in this kernel: the initial one
+
+
 def sandbox_uid(limits: SandboxLimits) -> int:
     """The uid a sandbox started from the calling thread runs as."""
     return limits.uid_base + threading.get_native_id()
@@ -123,7 +140,7 @@ def sandbox_problem(limits: SandboxLimits | None = None) -> str | None:
         why = result.stderr.strip()[-500:]
     except SandboxRefused as exc:
         why = str(exc)
-    if os.geteuid() != 0:
+    if not root_path():
         return _user_problem(why)
     return (f"the code sandbox cannot run a program here: {why} "
             "(it needs network, mount and PID namespaces: in a container, run it with "
@@ -167,7 +184,7 @@ def run_sandboxed(
     the audit-hook fallback, which the tests exercise (root only: it relies on the dedicated
     uid): it cannot stop a subprocess, so nothing else uses it."""
     limits = limits or SandboxLimits()
-    root = os.geteuid() == 0
+    root = root_path()
     if not (root or isolate):
         raise PermissionError(f"run_sandboxed(isolate=False): the audit-hook fallback needs root (a "
                               f"dedicated uid); as uid {os.geteuid()} programs run in user namespaces")

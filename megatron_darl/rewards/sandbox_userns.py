@@ -28,10 +28,10 @@ keeps dropping to a dedicated uid, as root is exempt from RLIMIT_NPROC in any na
 import ctypes
 import errno
 import os
+import resource
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH, AT_FDCWD, AT_RECURSIVE = 2, -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 1, 2, 4, 8
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (Linux 5.12+)
@@ -75,9 +75,30 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
+def _check_process_limit_binds() -> None:
+    """A fork with RLIMIT_NPROC at 0 must fail. It succeeds for the machine's root (the kernel
+    exempts kernel uid 0, e.g. root of a user namespace mapped to it, in every namespace) and for
+    CAP_SYS_RESOURCE: there no process limit would hold, so the program must not run."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, hard))
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        return  # EAGAIN: the limit binds
+    finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    raise Refused(f"uid {os.geteuid()} is exempt from RLIMIT_NPROC here (the machine's root, e.g. a user "
+                  "namespace mapped to uid 0): no process limit would hold; run as root of the machine or "
+                  "as an ordinary user")
+
+
 def enter(libc) -> None:
     """unshare(user, mount, network, PID) and become root of the new user namespace (ns1)."""
     uid, gid = os.geteuid(), os.getegid()
+    _check_process_limit_binds()
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) != 0:
         raise Refused(_why("unshare(user namespace)"))
     _write("/proc/self/setgroups", "deny")  # needed to map a group without CAP_SETGID outside

@@ -4,8 +4,9 @@ One copy of each: the end-to-end run harness (`e2e`), the Slurm harness (`slurm`
 release reader (`sglang_release`) and its protocol stand-in (`sglang_standin`), naive reference
 maths (`algo_reference`), subprocess workers (`learner_worker`, `ring_workers`,
 `ckpt_megatron_check`), the synchronous reference loop (`sync_reference`), user reward functions
-for the pool tests (`reward_fns`), and the checks for what a machine can do (`network`,
-`sandbox`). Scripts among them run as `python -m tests.helpers.<name>` from the repository root.
+for the pool tests (`reward_fns`), the checks for what a machine can do (`network`,
+`sandbox`), and a command run as an unprivileged uid from root (`as_user`). Scripts among them
+run as `python -m tests.helpers.<name>` from the repository root.
 """
 
 from __future__ import annotations

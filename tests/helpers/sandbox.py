@@ -2,12 +2,13 @@
 
 What it is: `sandbox_problem_here()` (None, or why not), found once per test session by
 `sandbox_problem()`, the check a run makes before it starts; `require_sandbox()` and the
-`needs_sandbox` mark that calls it (through tests/conftest.py's `sandbox_runs_here` fixture): a test skips with that reason, or FAILS where
-DARL_REQUIRE_SANDBOX=1 (.ci/run sets it: there the sandbox must run, as root and as a user);
-`SandboxMode`, one path of the sandbox for the parametrized containment tests ("namespaces" and
-"fallback" as root, "userns" as an ordinary user: as root, test_rewards_sandbox_user.py runs the
-userns tests as an unprivileged uid, so CI's root pass covers both paths); and
-`sandbox_processes`, what is left running of sandboxed programs.
+`needs_sandbox` mark that calls it (through the `sandbox_runs_here` fixture, tests/conftest.py):
+a test skips with that reason, or FAILS where DARL_REQUIRE_SANDBOX=1 (.ci/run sets it: there the
+sandbox must run, as root and as a user); `SandboxMode`, one path of the sandbox for the
+parametrized containment tests ("namespaces" and "fallback" as root, "userns" as an ordinary
+user: as root, test_rewards_sandbox_user.py runs the userns tests as an unprivileged uid, so
+CI's root pass covers both paths); and `sandbox_processes`, what is left running of sandboxed
+programs.
 What it is not: the refusal tests (test_rewards_sandbox_refusal.py check that the sandbox refuses).
 """
 
@@ -19,10 +20,12 @@ import signal
 
 import pytest
 
-from megatron_darl.rewards.sandbox import SandboxLimits, kill_uid, run_sandboxed, sandbox_problem, sandbox_uid
+from megatron_darl.rewards.sandbox import (SandboxLimits, kill_uid, root_path, run_sandboxed, sandbox_problem,
+                                           sandbox_uid)
 
 REQUIRE = os.environ.get("DARL_REQUIRE_SANDBOX") == "1"
-ROOT = os.geteuid() == 0
+# root of the machine takes the root path; any other uid (or root of a user namespace) the user path
+ROOT = root_path()
 
 
 @functools.cache

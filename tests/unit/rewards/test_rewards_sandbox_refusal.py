@@ -20,7 +20,11 @@ import sys
 
 import pytest
 
+from megatron_darl.rewards.sandbox import root_path
 from tests.helpers import repo_env
+from tests.helpers.as_user import as_user
+
+TEST_UID = 1_900_000_000 + os.getpid() % 1_000_000  # a uid of its own, no name, no files
 
 NO_SYS_ADMIN = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
 
@@ -83,7 +87,9 @@ NO_USERNS = ["unshare", "--user", "--map-root-user", "sh", "-c",
 def test_without_user_namespaces_a_user_is_refused_naming_the_switches(tmp_path):
     if subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode != 0:
         pytest.skip("user namespaces are already refused here: the probe needs one to take them away")
-    out = _probe(NO_USERNS, tmp_path)
+    # as root, the namespaces are made by an unprivileged uid (made by root, their uid 1000 would
+    # be the machine's root, which the sandbox refuses for another reason: no process limit binds it)
+    out = _probe(as_user(TEST_UID, NO_USERNS) if root_path() else NO_USERNS, tmp_path)
     assert not out["ran"], "the program ran without its user namespace"
     assert out["status"] == "refused"
     assert "unshare(user namespace): No space left on device (ENOSPC)" in out["stderr"]
