@@ -2,8 +2,9 @@
 eval split, and wires the tokenizer's prompt formatting into a `PromptLoader`.
 
 What it is: `build_source(cfg, split)` and `build_loader(cfg, tokenizer, split)`, the two calls the
-trainer and the evaluator make; `context_limit(run_cfg, split)`, the model context a split's
-prompts must leave room in; and `check_sources(cfg)`, the data checks made before a run starts.
+trainer and the evaluator make (their `context`, the room a prompt must leave for its answer, is
+`learner.checks.context_limit`: the model's context is the learner's fact); and
+`check_sources(cfg)`, the data checks made before a run starts.
 What it is not: the sources themselves (`procedural.py`, `files.py`, `humaneval.py`).
 """
 
@@ -65,7 +66,7 @@ def build_loader(
     """A loader over `build_source(cfg, split)` that formats through `tokenizer`; None when the
     split has no source. Train draws are shuffled per epoch; eval keeps the source order.
     Sources that hold their rows are checked whole now (every rejected row counted and named in
-    the log before the first draw); generated ones as drawn. `context` (`context_limit`): prompts
+    the log before the first draw); generated ones as drawn. `context` (`learner.checks.context_limit`): prompts
     that leave too little of the model's context for their answers are bad rows too
     (`prompt_exceeds_context`). `chat_kwargs` add to (and override) `cfg.chat_kwargs`."""
     source = build_source(cfg, split)
@@ -78,26 +79,6 @@ def build_loader(
                           validate=not getattr(source, "lazy", False), progress=progress)
     source.report.log(logger)
     return loader
-
-
-def context_limit(run_cfg: Any, split: str = "train") -> ContextLimit | None:
-    """The model context `split`'s prompts must fit with their answers: the model's
-    `max_position_embeddings` (`learner.checks.model_context`) less `rollout.max_new_tokens`
-    (train; the rollout manager asks every request of a prompt for exactly the rest of it) or the
-    evaluation's `eval.max_new_tokens` (eval; None: rollout's). None when the model's context
-    cannot be read (the preflight names a missing config.json)."""
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}; allowed: {SPLITS}")
-    from megatron_darl.learner.checks import model_context
-
-    context, source = model_context(run_cfg)
-    if context is None:
-        logging.getLogger(__name__).warning("model context unknown (%s): prompts are not checked against it", source)
-        return None
-    key, new = "rollout.max_new_tokens", run_cfg.rollout.max_new_tokens
-    if split == "eval" and run_cfg.eval.max_new_tokens:
-        key, new = "eval.max_new_tokens", run_cfg.eval.max_new_tokens
-    return ContextLimit(context=context, max_new_tokens=new, key=key, source=source)
 
 
 def check_sources(cfg: DataConfig) -> tuple[list[str], str | None]:

@@ -69,7 +69,8 @@ def check_answers(cfg: RunConfig) -> list[str]:
     both by construction."""
     if cfg.model.hf_dir != BUILTIN_MODEL or cfg.data.missing_files():
         return []
-    from megatron_darl.data.sources import build_loader, build_source, context_limit
+    from megatron_darl.data.sources import build_loader, build_source
+    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
 
     try:

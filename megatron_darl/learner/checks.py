@@ -16,6 +16,7 @@ runtime checks (Megatron repeats them, 20 s into a run).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -85,6 +86,27 @@ def model_context(cfg) -> tuple[int | None, str]:
     if hf is None or hf.get("max_position_embeddings") is None:
         return None, source if hf is None else f"{source} has no max_position_embeddings"
     return int(hf["max_position_embeddings"]), source
+
+
+def context_limit(run_cfg, split: str = "train"):
+    """The `data.ContextLimit` a split's prompts must fit with their answers: the model's
+    `max_position_embeddings` (`model_context`) less `rollout.max_new_tokens` (train; the rollout
+    manager asks every request of a prompt for exactly the rest of it) or the evaluation's
+    `eval.max_new_tokens` (eval; None: rollout's). None when the model's context cannot be read
+    (the preflight names a missing config.json)."""
+    from megatron_darl.data.formatting import ContextLimit
+    from megatron_darl.data.sources import SPLITS
+
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}; allowed: {SPLITS}")
+    context, source = model_context(run_cfg)
+    if context is None:
+        logging.getLogger(__name__).warning("model context unknown (%s): prompts are not checked against it", source)
+        return None
+    key, new = "rollout.max_new_tokens", run_cfg.rollout.max_new_tokens
+    if split == "eval" and run_cfg.eval.max_new_tokens:
+        key, new = "eval.max_new_tokens", run_cfg.eval.max_new_tokens
+    return ContextLimit(context=context, max_new_tokens=new, key=key, source=source)
 
 
 def _divisors(n: int) -> list[int]:

@@ -260,7 +260,8 @@ def _handle_signals(mgr: RolloutManager, stop_timeout_s: float) -> None:
 
 async def _amain(args: argparse.Namespace) -> None:
     from megatron_darl.channel.shm_ring import ShmRing
-    from megatron_darl.data.sources import build_loader, context_limit
+    from megatron_darl.data.sources import build_loader
+    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
     from megatron_darl.rewards.pool import RewardPool
     from megatron_darl.rollout.staleness import StalenessGate

@@ -60,7 +60,8 @@ async def _await_healthy(engine, proc: subprocess.Popen, timeout_s: float) -> No
 
 
 def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
-    from megatron_darl.data.sources import build_loader, context_limit
+    from megatron_darl.data.sources import build_loader
+    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
     from megatron_darl.learner.megatron_learner import MegatronLearner
     from megatron_darl.rewards.pool import RewardPool

@@ -8,7 +8,8 @@ import pytest
 from megatron_darl.config import load_config
 from megatron_darl.data.api import PromptRecord
 from megatron_darl.data.formatting import ContextLimit, PromptExceedsContext, PromptFormatter, PromptTooLong
-from megatron_darl.data.sources import build_loader, context_limit
+from megatron_darl.data.sources import build_loader
+from megatron_darl.learner.checks import context_limit
 from megatron_darl.eval.heldout import eval_prompts
 
 DEMO = "configs/cpu_demo_darl.yaml"  # built-in tiny Qwen3: max_position_embeddings 256
