@@ -51,6 +51,11 @@ class EngineHTTPError(EngineError):
         self.status, self.body = status, body
 
 
+def _refusal(exc: Exception) -> str:
+    """The text of a weight route's refusal: a 400's body, or a 200 with success=false."""
+    return exc.body if isinstance(exc, EngineHTTPError) else str(exc)
+
+
 class SGLangClient:
     """`RolloutEngine` over HTTP. Create it anywhere; its aiohttp session opens lazily in the
     running event loop (and is reopened if a later call runs in another loop).
@@ -102,7 +107,8 @@ class SGLangClient:
             raise ValueError(
                 f"SGLangClient.aupdate_weights: kind {weights.kind!r} is not a folder; a 'distributed' "
                 "version is sent by the learner: ainit_weights_update_group once, then "
-                "aupdate_weights_from_distributed while the learner broadcasts")
+                "abegin_weight_update, then aupdate_weights_from_distributed while the learner broadcasts, "
+                "then aend_weight_update")
         route = "/update_weights_from_disk"
         rq.check_success(route, await self.arequest("POST", route, rq.update_from_disk_body(weights.location, weights.version)))
 
@@ -131,6 +137,45 @@ class SGLangClient:
         body = rq.init_group_body(master_address, master_port, rank_offset, world_size, group_name, backend)
         # not retried: the learner's side of the rendezvous is waiting for exactly one join
         rq.check_success(route, await self.arequest("POST", route, body, retries=0, retry_timeouts=False))
+
+    async def abegin_weight_update(self) -> None:
+        """Open SGLang's weight-update session: /update_weights_from_distributed is refused
+        outside one. Not retried: a second begin after a lost answer would be refused."""
+        route = "/begin_weight_update"
+        rq.check_success(route, await self.arequest("POST", route, rq.begin_session_body(), retries=0,
+                                                    retry_timeouts=False))
+
+    async def aend_weight_update(self) -> None:
+        """Close the session opened by `abegin_weight_update` (an error if none is open)."""
+        route = "/end_weight_update"
+        rq.check_success(route, await self.arequest("POST", route, rq.end_session_body(), retries=0,
+                                                    retry_timeouts=False))
+
+    async def aend_stale_weight_update(self) -> bool:
+        """Close a session that may be open (left by a learner that died mid-version, or after a
+        failed version): True if one was, False if the engine answered the release's "no
+        weight-update session is open" refusal; any other failure raises."""
+        try:
+            await self.aend_weight_update()
+        except (EngineHTTPError, rq.UpdateFailedError) as exc:
+            if rq.NO_SESSION_OPEN in _refusal(exc):
+                return False
+            raise
+        return True
+
+    async def aopen_weight_update(self) -> bool:
+        """`abegin_weight_update`, recovering an engine whose session was left open: on the
+        release's "already open" refusal it ends that session and begins again. True if a
+        stale session was closed."""
+        try:
+            await self.abegin_weight_update()
+        except (EngineHTTPError, rq.UpdateFailedError) as exc:
+            if rq.SESSION_ALREADY_OPEN not in _refusal(exc):
+                raise
+            await self.aend_stale_weight_update()
+            await self.abegin_weight_update()
+            return True
+        return False
 
     async def aupdate_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                                version: int | None, group_name: str = "weight_update_group",

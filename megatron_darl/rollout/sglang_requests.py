@@ -21,6 +21,23 @@ from megatron_darl.types import FINISH_REASONS, GenerateRequest, GenerateRespons
 SGLANG_VERSION = "0.5.23"
 
 
+# SGLang 0.5.23's weight-update session (`srt/managers/scheduler_components/weight_updater.py`):
+# these routes are refused (400, success=false, before anything is received) unless a session
+# opened by /begin_weight_update is open; /begin_weight_update is refused while one is open and
+# /end_weight_update while none is. The messages are the release's, verbatim (a TP/DP server
+# joins its ranks' messages with " | ", so match them as substrings).
+# tests/unit/rollout/test_sglang_conformance.py reads all of this back from the wheel.
+SESSION_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+SESSION_SELECTORS = ("target", "draft", "all")
+
+
+def session_required(route: str) -> str:
+    """The release's refusal of a SESSION_ROUTES call made outside a session."""
+    return f"{route.strip('/')} must run between begin_weight_update() and end_weight_update()"
+
+
 class ResponseFormatError(ValueError):
     """A server answered 2xx with a body that is not what SGLang's protocol says."""
 
@@ -95,6 +112,18 @@ def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[li
         "abort_all_requests": abort_all_requests,
         "weight_version": None if version is None else str(version),
     }
+
+
+def begin_session_body(selector: str = "all") -> dict[str, Any]:
+    """POST /begin_weight_update: open the weight-update session (all runners: target and draft)."""
+    if selector not in SESSION_SELECTORS:
+        raise ValueError(f"begin_weight_update selector {selector!r}; allowed: {SESSION_SELECTORS}")
+    return {"selector": selector}
+
+
+def end_session_body() -> dict[str, Any]:
+    """POST /end_weight_update: close the session (the release's class has no field of its own)."""
+    return {}
 
 
 def destroy_group_body(group_name: str = "weight_update_group") -> dict[str, Any]:

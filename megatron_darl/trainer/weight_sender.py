@@ -5,15 +5,21 @@ newest version's HF-named tensors (copied to CPU, checked finite by the publishe
 answers the rollout manager's transfer requests (`channel/weight_transfer.py`) with it. For each
 engine of a request it uses that engine's own process group, made through SGLang 0.5.23's
 `/init_weights_update_group` (the learner is rank 0 and hosts the rendezvous at
-master_address:<free port>, the engine's TP ranks are 1..tp): per bucket it posts
+master_address:<free port>, the engine's TP ranks are 1..tp). Each version goes to each engine
+inside SGLang's weight-update session, which 0.5.23 requires (it refuses
+/update_weights_from_distributed outside one, before receiving anything): `/begin_weight_update`
+(a session left open by a learner that stopped mid-version is ended first), then per bucket
 `/update_weights_from_distributed` (names, dtypes, shapes, the group; `weight_version` and
-`flush_cache` on the last bucket only) while it broadcasts the bucket's tensors from rank 0 in
-that order, one broadcast each (as SGLang receives them without a load_format). Engines are
+`flush_cache` on the last bucket only) while it broadcasts the bucket's tensors from rank 0, in
+that order, one broadcast each (as SGLang receives them without a load_format), then
+`/end_weight_update`, on success and on every failure path. Engines are
 served concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL when the learner runs on GPUs, gloo on CPU; every collective of those
 groups fails after `timeout_s`. An engine whose join, post or broadcast fails loses its group
 (`/destroy_weights_update_group`, best effort) and gets a fallback HF folder of the version,
-written once from the staged tensors (no collective, no re-gather); a new group name (the
-manager's, after an engine came back) replaces the engine's old group.
+written once from the staged tensors (no collective, no re-gather): SGLang loads each bucket as
+it arrives, so an engine that failed half-way must load a whole version before it generates
+(the manager's rule). A new group name (the manager's, after an engine came back or the manager
+restarted) replaces the engine's old group.
 Why staged on CPU: the engines may ask at any time (a restarted or late engine gets the
 current version while the learner trains) and the transfer overlaps the next train step, as
 the disk path's loads do; the price is one device-to-host copy per version.
@@ -153,34 +159,63 @@ class WeightSender:
 
     # ---- one transfer ----------------------------------------------------------------------
     async def _asend_all(self, engines: list[dict], version: int, buckets: list[Bucket]) -> list[str | None]:
-        """Bucket by bucket (each copied to the device once, whatever the number of engines),
-        to every engine still fine; an engine's error (join, post or broadcast) ends its part."""
+        """Per engine: its group (joined if new), SGLang's weight-update session opened, the
+        buckets, the session closed. Bucket by bucket (each copied to the device once, whatever
+        the number of engines), to every engine still fine; an engine's error (join, session,
+        post or broadcast) ends its part, and its session is closed on that path too."""
         from megatron_darl.rollout.sglang_client import SGLangClient
 
         clients = [SGLangClient(e["url"], api_key=self.api_key, timeout_s=self.timeout_s, max_retries=0)
                    for e in engines]
         try:
-            joined = await asyncio.gather(*(self._agroup(c, e["group"]) for c, e in zip(clients, engines)),
+            joined = await asyncio.gather(*(self._aopen(c, e["group"]) for c, e in zip(clients, engines)),
                                           return_exceptions=True)
             errors: list[BaseException | None] = [g if isinstance(g, BaseException) else None for g in joined]
-            for i, bucket in enumerate(buckets):
-                live = [k for k, err in enumerate(errors) if err is None]
-                if not live:
-                    break
-                sent = [(n, t.to(self.device, non_blocking=True)) for n, t in bucket] if self.device != "cpu" else bucket
-                last = i == len(buckets) - 1
-                results = await asyncio.gather(*(self._abucket(clients[k], joined[k], engines[k]["group"], sent,
-                                                               version if last else None) for k in live),
-                                               return_exceptions=True)
-                for k, r in zip(live, results):
-                    errors[k] = r if isinstance(r, BaseException) else None
-            for k, err in enumerate(errors):
-                if err is not None:
-                    await self._afailed(clients[k], engines[k], version, err)
+            await self._abuckets(clients, engines, joined, errors, version, buckets)
+            live = [k for k, err in enumerate(errors) if err is None]
+            ends = await asyncio.gather(*(clients[k].aend_weight_update() for k in live), return_exceptions=True)
+            for k, r in zip(live, ends):
+                errors[k] = r if isinstance(r, BaseException) else None
+            await asyncio.gather(*(self._afailed(clients[k], engines[k], version, err)
+                                   for k, err in enumerate(errors) if err is not None))
             return [None if err is None else f"{type(err).__name__}: {err}"[:500] for err in errors]
+        except BaseException:  # a failure of our own (a device copy, a cancel): leave no session open
+            await asyncio.gather(*(self._aend_quietly(c) for c in clients), return_exceptions=True)
+            raise
         finally:
             for c in clients:
                 await c.aclose()
+
+    async def _abuckets(self, clients, engines, groups, errors, version: int, buckets: list[Bucket]) -> None:
+        """Each bucket to the engines without an error yet; `errors` gets each engine's first."""
+        for i, bucket in enumerate(buckets):
+            live = [k for k, err in enumerate(errors) if err is None]
+            if not live:
+                return
+            sent = [(n, t.to(self.device, non_blocking=True)) for n, t in bucket] if self.device != "cpu" else bucket
+            last = i == len(buckets) - 1
+            results = await asyncio.gather(*(self._abucket(clients[k], groups[k], engines[k]["group"], sent,
+                                                           version if last else None) for k in live),
+                                           return_exceptions=True)
+            for k, r in zip(live, results):
+                errors[k] = r if isinstance(r, BaseException) else None
+
+    async def _aopen(self, client, name: str):
+        """The engine's group, then its weight-update session (SGLang 0.5.23 refuses
+        /update_weights_from_distributed outside one); a session left open by a learner that
+        stopped mid-version is ended first."""
+        group = await self._agroup(client, name)
+        if await client.aopen_weight_update():
+            log.warning("engine %s: ended a weight-update session left open (a learner that stopped "
+                        "mid-version) before this one", client.url)
+        return group
+
+    async def _aend_quietly(self, client) -> None:
+        """End the engine's session if one is open (best effort: the engine may be dead)."""
+        try:
+            await client.aend_stale_weight_update()
+        except Exception as exc:
+            log.info("engine %s: end_weight_update after a failure: %r", client.url, exc)
 
     async def _abucket(self, client, group, name: str, bucket: Bucket, version: int | None) -> None:
         """Post the bucket's description and broadcast its tensors, concurrently (the engine
@@ -195,8 +230,13 @@ class WeightSender:
 
     async def _afailed(self, client, engine: dict, version: int, err: BaseException) -> None:
         log.warning("engine %s: weight broadcast of version %d failed: %r", engine["url"], version, err)
-        if engine["group"] in self._groups:
+        joined = engine["group"] in self._groups
+        if joined:  # our side first: a receive still waiting on the engine then fails sooner
             self._drop(engine["group"])
+        # the session closed on this path too (the buckets SGLang got are loaded: the engine must
+        # load a whole version, the fallback folder, before it generates again)
+        await self._aend_quietly(client)
+        if joined:
             await self._aforget(client, engine["group"])
 
     async def _agroup(self, client, name: str):

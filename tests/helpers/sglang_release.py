@@ -18,7 +18,11 @@ another CPU, where pip would find no wheel of that release for the machine itsel
   (`GenerateReqInput`, `UpdateWeightFromDiskReqInput`, ...), parsed with `ast` (importing that
   module needs zmq, pydantic schemas, and most of SGLang), with `check_io_body` validating a
   JSON body against their annotations;
-- `routes` — route -> HTTP methods, from the decorators of `srt/entrypoints/http_server.py`.
+- `routes` — route -> HTTP methods, from the decorators of `srt/entrypoints/http_server.py`;
+- `session_rules` — the weight-update session, from the scheduler's
+  `srt/managers/scheduler_components/weight_updater.py` parsed with `ast`: which requests are
+  refused without a session (a `self._session is None` guard) or with one (`is not None`), with
+  the message of each refusal, and which request opens and which closes it.
 The download needs the package index: `require_release()` skips the calling test, saying so,
 when the index cannot be reached (an offline machine), unless DARL_REQUIRE_NETWORK=1 (CI), where
 it fails; any other failure (no such release, a broken wheel) is an error, never a skip.
@@ -62,7 +66,9 @@ FILES = (
     "sglang/srt/managers/io_struct.py",
     "sglang/srt/managers/tokenizer_manager.py",
     "sglang/srt/entrypoints/http_server.py",
+    "sglang/srt/managers/scheduler_components/weight_updater.py",
 )
+WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
 
 
 class ReleaseUnavailable(RuntimeError):
@@ -190,6 +196,10 @@ class Release:
             assert ann is None or _admits(ann, value), (
                 f"{cls_name}.{key}: {value!r} does not fit `{ast.unparse(ann)}` (sglang {self.version})")
 
+    @property
+    def session_rules(self) -> SessionRules:
+        return parse_session_rules(self.source(WEIGHT_UPDATER))
+
     # ---- http_server.py, read as source --------------------------------------------------
     @property
     def routes(self) -> dict[str, set[str]]:
@@ -215,6 +225,64 @@ class Release:
                     continue
                 routes.setdefault(dec.args[0].value, set()).update(methods)
         return routes
+
+
+@dataclass
+class SessionRules:
+    """The release's weight-update session, per request (the scheduler method's name, which is
+    also its route's name): refused outside a session / inside one, with the message."""
+
+    refused_without: dict[str, str]  # e.g. update_weights_from_distributed, end_weight_update
+    refused_while_open: dict[str, str]  # begin_weight_update
+    opens: set[str]
+    closes: set[str]
+
+
+def _guard(node: ast.If) -> str | None:
+    """"without" for `if self._session is None:`, "open" for `is not None`, else None."""
+    t = node.test
+    if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.left, ast.Attribute)
+            and t.left.attr == "_session" and isinstance(t.comparators[0], ast.Constant)
+            and t.comparators[0].value is None):
+        return None
+    return {ast.Is: "without", ast.IsNot: "open"}.get(type(t.ops[0]))
+
+
+def _refusal(node: ast.If) -> str:
+    """The `message=` of the `return XxxReqOutput(success=False, message=...)` a guard returns."""
+    for stmt in node.body:
+        if isinstance(stmt, ast.Return) and isinstance(stmt.value, ast.Call):
+            kw = {k.arg: k.value for k in stmt.value.keywords}
+            if isinstance(kw.get("success"), ast.Constant) and kw["success"].value is False:
+                if isinstance(kw.get("message"), ast.Constant):
+                    return kw["message"].value
+    raise AssertionError(f"weight_updater.py line {node.lineno}: a session guard without a literal refusal")
+
+
+def _session_assignments(fn: ast.AST) -> set[str]:
+    """"opens" / "closes" for `self._session = <a session>` / `self._session = None` in `fn`."""
+    out = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "_session" for t in n.targets):
+            if isinstance(n.value, ast.Constant) and n.value.value is None:
+                out.add("closes")
+            elif isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name):
+                out.add("opens")  # `_WeightUpdateSession(...)`; `msgspec.structs.replace` only updates it
+    return out
+
+
+def parse_session_rules(source: str) -> SessionRules:
+    rules = SessionRules({}, {}, set(), set())
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            kind = _guard(n) if isinstance(n, ast.If) else None
+            if kind is not None:
+                (rules.refused_without if kind == "without" else rules.refused_while_open)[fn.name] = _refusal(n)
+        for what in _session_assignments(fn):
+            (rules.opens if what == "opens" else rules.closes).add(fn.name)
+    return rules
 
 
 _SCALARS = {"str": str, "int": int, "float": (int, float), "bool": bool, "bytes": bytes}
