@@ -6,7 +6,8 @@ the prompts of clients that hung up (`_sweep`, which reads the transports of the
 so their rows serve that same step), joins waiting sequences into free rows, runs one step on
 the single decode thread, and resolves the futures of finished sequences. The decoder is only
 touched on that thread, and only under `step_lock`, so weight swaps, aborts and joins all happen
-between decode steps. While paused or idle the loop still sweeps every IDLE_SWEEP_S. Nothing a
+between decode steps. While paused, idle, or held on an incomplete version (`incomplete`: part of
+a distributed version arrived, not all of it) the loop still sweeps every IDLE_SWEEP_S. Nothing a
 request does ends the loop: a failure fails the requests it concerns (logged).
 What it is not: the HTTP routes (`server.py`) or the forward pass (`decoder.py`).
 """
@@ -39,6 +40,9 @@ class Scheduler:
         self.paused = False
         self.closing = False
         self.broken: str | None = None  # the model produced non-finite logits; cleared by a good probe or load
+        # part of a distributed version arrived, not all of it (weight_group.py): decoding is held,
+        # as if paused, until a whole version is loaded (SGLang would serve the mix)
+        self.incomplete: str | None = None
         self.steps = 0  # decode steps completed (health: progress while busy)
         self.aborted_disconnected = 0  # prompts dropped because their client hung up
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="darl-decode")
@@ -56,7 +60,7 @@ class Scheduler:
         """Decode until cancelled. Nothing a request does can end this loop: a failure fails
         the requests it concerns (logged) and the loop goes on."""
         while True:
-            if self.paused or not (self.decoder.rows or self.pending):
+            if self.paused or self.incomplete or not (self.decoder.rows or self.pending):
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), IDLE_SWEEP_S)
@@ -77,7 +81,7 @@ class Scheduler:
 
     async def _astep(self) -> None:
         async with self.step_lock:
-            if self.paused:
+            if self.paused or self.incomplete:
                 return
             self._sweep()
             while self.pending and self.decoder.free_slots > 0:

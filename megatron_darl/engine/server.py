@@ -23,8 +23,9 @@ paused), its prompts are dropped, counted in /get_server_info `aborted_disconnec
 in one line. The server does not rely on aiohttp's handler cancellation (off under
 `web.run_app`): no handler is ever cancelled half-way through a weight load or a pause.
 `weight_version` only moves forward.
-The distributed update (`/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`: gloo on CPU) is `weight_group.py`.
+The distributed update (`/init_weights_update_group`, `/begin_weight_update`,
+`/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`: gloo
+on CPU, SGLang 0.5.23's session rules; part of a version holds decoding) is `weight_group.py`.
 What it is not: a tokenizer (input_ids only), a streaming server, or a receiver of
 `/update_weights_from_tensor` (answers 400).
 """
@@ -189,7 +190,7 @@ class EngineServer(Scheduler):
                 return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
             self.decoder.version = version
             self.model_path = path
-            self.broken = None
+            self.broken = self.incomplete = None  # a whole version
             waiting = len(self.decoder.rows) + len(self.pending)
         log.info("loaded weights from %s as version %d", path, version)
         return web.json_response({
@@ -219,8 +220,9 @@ class EngineServer(Scheduler):
         bad = await self.ahealth(request)
         if bad.status != 200:
             return bad
-        if self.paused:
-            return web.json_response({"error": "generation is paused (/continue_generation resumes it)"}, status=503)
+        if self.paused or self.incomplete:
+            why = "generation is paused (/continue_generation resumes it)" if self.paused else self.incomplete
+            return web.json_response({"error": why}, status=503)
         if self.decoder.rows or self.pending:
             start = self.steps
             async with self.progress:
@@ -269,6 +271,7 @@ class EngineServer(Scheduler):
         return web.json_response({
             "weight_version": str(self.decoder.version),
             "paused": self.paused,
+            "weights_incomplete": self.incomplete,  # why decoding is held (part of a broadcast version), or null
             "max_batch": self.decoder.max_batch,
             "num_waiting": len(self.pending),
             "running": [{"rid": s.rid, "generated": len(s.output_ids)} for s in self.decoder.rows],

@@ -1,10 +1,16 @@
-"""darl-engine's side of SGLang's distributed weight update: the three routes, as 0.5.23 has them.
+"""darl-engine's side of SGLang's distributed weight update: its routes, as 0.5.23 has them.
 
 What it is: `WeightGroupRoutes`, added to the engine's app. `/init_weights_update_group`
 (master_address, master_port, rank_offset, world_size, group_name, backend) joins a process
 group as rank `rank_offset` (the engine is one TP rank; the learner is rank 0 and hosts the
 rendezvous), built as SGLang's `init_custom_process_group` builds it, never the default group
 (the engine has none); gloo on CPU, nccl when the engine runs on a GPU.
+The weight-update session, as the release's scheduler holds it: `/begin_weight_update`
+(selector) opens it and is refused while one is open, `/end_weight_update` closes it and is
+refused when none is, `/update_weights_from_distributed` is refused outside one, before
+receiving anything; each refusal is the release's message, 400 (`rollout/sglang_requests.py`
+holds the messages; the conformance tests compare them with the wheel). Begin, end and a
+receive run one at a time, as in SGLang's scheduler; the session never times out (as there).
 `/update_weights_from_distributed` (names, dtypes, shapes, group_name, flush_cache,
 abort_all_requests, weight_version, load_format) receives one broadcast per tensor from rank 0,
 in the order of `names`, as SGLang does without a load_format; the tensors of a version may come
@@ -12,8 +18,13 @@ in several calls (buckets): they are kept until a call carries `weight_version`,
 (every tensor of the model, the expected shapes, finite) and swapped in between decode steps,
 the version set from `weight_version` (an int64 never below the current version, else 400 and
 the old weights stay). `/destroy_weights_update_group` leaves a group.
-Failures answer 400 with {"success": false, "message"}, as SGLang's routes do; nothing is
-half-loaded. Every receive fails after the group's timeout (RECEIVE_TIMEOUT_S).
+A version that stops half-way is never served: SGLang loads each bucket as it arrives and would
+serve the mix; this engine keeps the old weights but, like an engine on mixed weights that must
+not generate, holds decoding from the first bucket of a version (`Scheduler.incomplete`, also
+in /get_server_info `weights_incomplete`; /health_generate answers 503) until a whole version is
+loaded, by the last bucket or by /update_weights_from_disk.
+Failures answer 400 with {"success": false, "message"}, as SGLang's routes do. Every receive
+fails after the group's timeout (RECEIVE_TIMEOUT_S).
 What it is not: the folder route (`/update_weights_from_disk`, server.py) or the sender.
 """
 
@@ -29,6 +40,7 @@ from aiohttp import web
 
 from megatron_darl.engine.decoder import IGNORED_SUFFIXES, WeightLoadError
 from megatron_darl.engine.requests import BadRequest, parse_weight_version
+from megatron_darl.rollout import sglang_requests as rq
 
 log = logging.getLogger(__name__)
 RECEIVE_TIMEOUT_S = 300.0  # a join or a broadcast the learner never completes fails after this
@@ -74,10 +86,14 @@ class WeightGroupRoutes:
         self.groups: dict[str, object] = {}
         self.received: dict[str, torch.Tensor] = {}  # this version's tensors so far
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="darl-weight-recv")
+        self.session_open = False  # SGLang's weight-update session (/begin_weight_update)
+        self.session_lock = asyncio.Lock()  # begin, end and a receive one at a time, as SGLang's scheduler
 
     def add_routes(self, router) -> None:
         router.add_post("/init_weights_update_group", self.ainit)
+        router.add_post("/begin_weight_update", self.abegin)
         router.add_post("/update_weights_from_distributed", self.aupdate)
+        router.add_post("/end_weight_update", self.aend)
         router.add_post("/destroy_weights_update_group", self.adestroy)
 
     async def _abody(self, request: web.Request) -> dict:
@@ -107,6 +123,29 @@ class WeightGroupRoutes:
         log.info("joined weight group %s as rank %d of %d (%s, %s:%d)", name, offset, world, backend, address, port)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
+    async def abegin(self, request: web.Request) -> web.Response:
+        body = await self._abody(request)
+        if body.get("selector", "all") not in rq.SESSION_SELECTORS:
+            raise BadRequest(f"field 'selector' must be one of {rq.SESSION_SELECTORS}, got {body['selector']!r}")
+        async with self.session_lock:
+            if self.session_open:
+                return _fail(rq.SESSION_ALREADY_OPEN)
+            self.session_open = True
+            self.received = {}  # a version a dead learner left half-sent never mixes into this one
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def aend(self, request: web.Request) -> web.Response:
+        await self.server.http.aread(request, allow_empty=True)
+        async with self.session_lock:
+            if not self.session_open:
+                return _fail(rq.NO_SESSION_OPEN)
+            self.session_open = False
+            if self.received:  # the version's last bucket never came: generation stays held
+                log.warning("weight-update session ended with %d tensors of an unfinished version; "
+                            "generation is held until a whole version is loaded", len(self.received))
+                self.received = {}
+        return web.json_response({"success": True, "message": "Success"})
+
     async def aupdate(self, request: web.Request) -> web.Response:
         body = await self._abody(request)
         names = _list_of(body, "names", lambda v: isinstance(v, str))
@@ -116,6 +155,12 @@ class WeightGroupRoutes:
             raise BadRequest(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
         if body.get("load_format") is not None:
             return _fail(f"load_format {body['load_format']!r}: this engine receives one broadcast per tensor only")
+        async with self.session_lock:
+            if not self.session_open:  # SGLang 0.5.23 refuses before receiving anything
+                return _fail(rq.session_required(request.path))
+            return await self._areceive(body, names, dtypes, shapes)
+
+    async def _areceive(self, body: dict, names: list, dtypes: list, shapes: list) -> web.Response:
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
             return _fail(f"Group {body.get('group_name')!r} not in {sorted(self.groups)}. "
@@ -136,6 +181,10 @@ class WeightGroupRoutes:
             self.received.clear()
             return _fail(f"Failed to receive weights over {body.get('group_name')!r}: {exc}")
         if version is None:
+            # SGLang has loaded this bucket now, and serves a mix of versions until the last one:
+            # this engine holds generation instead, until a whole version is in
+            self.server.incomplete = (f"{len(self.received)} tensors of a version received, not its last bucket; "
+                                      "load a whole version (/update_weights_from_disk or a whole broadcast)")
             return web.json_response({"success": True, "message": f"Received {len(names)} tensors."})
         return await self._aswap(version, bool(body.get("abort_all_requests", False)))
 
@@ -156,7 +205,7 @@ class WeightGroupRoutes:
             srv.decoder.use_tensors(tensors)
             srv.decoder.version = version
             srv.model_path = f"(broadcast version {version})"
-            srv.broken = None
+            srv.broken = srv.incomplete = None
         log.info("loaded %d broadcast tensors as version %d", len(tensors), version)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 

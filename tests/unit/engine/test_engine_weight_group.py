@@ -18,7 +18,12 @@ from safetensors.torch import load_file
 
 from megatron_darl.channel.ports import free_port
 from megatron_darl.channel.process_group import init_custom_group
+import torch.distributed as dist
+
+from megatron_darl.learner.weights import describe
+from megatron_darl.rollout import sglang_requests as rq
 from megatron_darl.rollout.sglang_client import EngineHTTPError, SGLangClient
+from megatron_darl.trainer import weight_sender as ws
 from megatron_darl.trainer.weight_sender import WeightSender
 from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
 from tests.helpers.engines import running_engines, save_wide, teacher_forced
@@ -101,9 +106,17 @@ def test_the_engine_refuses_unknown_groups_nccl_on_cpu_and_incomplete_or_nonfini
         async with SGLangClient(url, max_retries=0) as c:
             return await c.arequest("POST", route, body)
 
+    async def unknown_group():
+        async with SGLangClient(url, max_retries=0) as c:
+            await c.abegin_weight_update()
+            try:
+                await c.arequest("POST", "/update_weights_from_distributed", {
+                    "names": [], "dtypes": [], "shapes": [], "group_name": "nope", "weight_version": "3"})
+            finally:
+                await c.aend_weight_update()
+
     with pytest.raises(EngineHTTPError, match="not in") as err:
-        asyncio.run(post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
-                                                              "group_name": "nope", "weight_version": "3"}))
+        asyncio.run(unknown_group())
     assert err.value.status == 400 and json.loads(err.value.body)["success"] is False
     with pytest.raises(EngineHTTPError, match="nccl needs the engine on a GPU"):
         asyncio.run(post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
@@ -120,7 +133,86 @@ def test_the_engine_refuses_unknown_groups_nccl_on_cpu_and_incomplete_or_nonfini
         finally:
             s.close()
         assert result["ok"] == [] and ("missing tensor" in result["failed"][0] or "non-finite" in result["failed"][0])
-        assert asyncio.run(greedy(url, [3]))[1]["weight_version"] == before  # old weights kept
+        assert asyncio.run(info(url))["weight_version"] == before  # old weights kept
+    # the two-bucket version stopped after its first bucket: decoding waits for a whole version
+    assert "not its last bucket" in asyncio.run(info(url))["weights_incomplete"]
+    assert asyncio.run(load_disk(url, root / "b", 12))["weights_incomplete"] is None
+    assert asyncio.run(greedy(url, [3]))[1]["weight_version"] == "12"
+
+
+async def acall(url: str, method: str, route: str, body: dict | None = None):
+    async with SGLangClient(url, max_retries=0) as c:
+        return await c.arequest(method, route, body)
+
+
+def info(url: str):
+    return acall(url, "GET", "/get_server_info")
+
+
+async def load_disk(url: str, folder, version: int) -> dict:
+    async with SGLangClient(url) as c:
+        await c.aupdate_weights(WeightVersion(version, "disk", str(folder)))
+    return await info(url)
+
+
+def test_the_engine_holds_the_release_session_rules(world):
+    """Refused outside a session (before receiving anything), begin refused while one is open,
+    end refused when none is: 400 with the release's messages (`rq`'s constants, which the
+    conformance tests read back from the wheel)."""
+    _, _, url = world
+    refusals = []
+    update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[48]], "group_name": "g"}
+    for route, body in (("/update_weights_from_distributed", update), ("/end_weight_update", {}),
+                        ("/begin_weight_update", {"selector": "all"}), ("/begin_weight_update", {}),
+                        ("/end_weight_update", {}), ("/end_weight_update", {}),
+                        ("/begin_weight_update", {"selector": "both"})):
+        try:
+            refusals.append((route, 200, asyncio.run(acall(url, "POST", route, body))["message"]))
+        except EngineHTTPError as exc:
+            refusals.append((route, exc.status, json.loads(exc.body).get("message") or json.loads(exc.body)["error"]))
+    assert refusals[:6] == [
+        ("/update_weights_from_distributed", 400, rq.session_required("/update_weights_from_distributed")),
+        ("/end_weight_update", 400, rq.NO_SESSION_OPEN), ("/begin_weight_update", 200, "Success"),
+        ("/begin_weight_update", 400, rq.SESSION_ALREADY_OPEN), ("/end_weight_update", 200, "Success"),
+        ("/end_weight_update", 400, rq.NO_SESSION_OPEN)]
+    assert refusals[6][1] == 400 and "selector" in refusals[6][2]
+
+
+def test_a_version_stopped_half_way_is_never_served_until_a_whole_one_loads(world):
+    """The learner sends the first of two buckets and stops (the session ended, the last bucket
+    never comes): SGLang would now serve a mix of versions. darl-engine holds decoding: 503 from
+    /health_generate, a request sent after /continue_generation waits; once a whole version is
+    loaded from disk, that request is answered with tokens of that version only, whose log-probs
+    are the whole model's."""
+    root, model_b, url = world
+    first = hf_buckets(root / "b")[0]
+    asyncio.run(load_disk(url, root / "a", 20))
+
+    async def half_version():
+        async with SGLangClient(url, max_retries=0) as c:
+            port = free_port("127.0.0.1")
+            host = asyncio.to_thread(init_custom_group, "127.0.0.1", port, 2, "half", 0, "gloo", 20.0)
+            _, group = await asyncio.gather(c.ainit_weights_update_group("127.0.0.1", port, 1, 2, "half", "gloo"), host)
+            await c.abegin_weight_update()
+            post = c.aupdate_weights_from_distributed(**describe(first), version=None, group_name="half",
+                                                      flush_cache=False)
+            await asyncio.gather(post, asyncio.to_thread(ws._broadcast, group, first, "cpu"))
+            await c.aend_weight_update()
+            await c.adestroy_weights_update_group("half")
+            dist.destroy_process_group(group)
+            await c.aresume()
+            healthy = await c.ahealth()
+            asked = asyncio.create_task(greedy(url, [3, 4, 5]))
+            await asyncio.sleep(1.5)
+            waited = not asked.done()
+            await load_disk(url, root / "b", 21)
+            return healthy, waited, await asked
+
+    healthy, waited, (out, _) = asyncio.run(half_version())
+    assert not healthy and waited
+    assert out.output_versions == [21] * 5
+    want = teacher_forced(model_b, [3, 4, 5], out.output_ids, 1.0)
+    assert torch.allclose(torch.tensor(out.output_logprobs), want, atol=1e-4)
 
 
 def test_init_custom_group_times_out_instead_of_hanging():
