@@ -4,8 +4,11 @@ What it is: `TINY_QWEN3` and `TINY_QWEN3_WIDE` (the shapes the engine tests use)
 Qwen2 or Llama saved as a Hugging Face folder, optionally with randomised norms and biases so a
 wrong norm or a dropped bias shows in the log-probs), `teacher_forced` (transformers' log-probs of
 a response, the reference the engine's behavior log-probs are compared with), `running_engines`
-(darl-engine subprocesses on free loopback ports, waited for and always stopped) and `serving` (an
-engine server built in the test's own process, on a free loopback port).
+(darl-engine subprocesses on free loopback ports, waited for and always stopped), `running_standin`
+(the same for the SGLang stand-in, `sglang_standin.py`), `serving` (an engine server built in the
+test's own process, on a free loopback port), `asend_first_bucket_only` (the test as the
+learner, sending the first bucket of a version and stopping) and `asession_answers` (what an
+engine answers to the weight-update session's calls, in and out of order).
 What it is not: a test, or a stand-in for an engine (`rollout_fakes.FakeEngine`,
 `sglang_standin.py`).
 """
@@ -126,3 +129,80 @@ def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_bat
                 proc.wait()
         for log in logs:
             log.close()
+
+
+@contextmanager
+def running_standin(model_dir: Path | str, log_dir: Path, startup_s: float = 90.0) -> Iterator[tuple[str, Path]]:
+    """The SGLang stand-in of the pinned release (`sglang_standin.py`, the release read by
+    `require_release`, which skips offline) on a free loopback port; yields (URL, its call log)
+    once it answers, and always stops it."""
+    import sys
+
+    from tests.helpers.sglang_release import require_release
+
+    release = require_release()
+    port, calls = free_port(), Path(log_dir) / "standin_calls.jsonl"
+    log = open(Path(log_dir) / "standin.log", "w")
+    argv = [sys.executable, "-m", "tests.helpers.sglang_standin", "--model", str(model_dir), "--port", str(port),
+            "--release-root", release.root, "--version", release.version, "--calls", str(calls)]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=repo_env(OMP_NUM_THREADS="1"), cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while not _healthy(url, None):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the stand-in did not start:\n{(Path(log_dir) / 'standin.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url, calls
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+async def asend_first_bucket_only(url: str, bucket: list, name: str) -> None:
+    """Be the learner (rank 0 over gloo) for one version that stops after its first bucket:
+    join group `name`, open the session, send `bucket` without a weight_version, close the
+    session and the group. The engine is left with part of a version."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from megatron_darl.channel.process_group import init_custom_group
+    from megatron_darl.learner.weights import describe
+    from megatron_darl.rollout.sglang_client import SGLangClient
+    from megatron_darl.trainer.weight_sender import _broadcast
+
+    async with SGLangClient(url, max_retries=0) as c:
+        port = free_port("127.0.0.1")
+        host = asyncio.to_thread(init_custom_group, "127.0.0.1", port, 2, name, 0, "gloo", 20.0)
+        _, group = await asyncio.gather(c.ainit_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo"), host)
+        await c.abegin_weight_update()
+        post = c.aupdate_weights_from_distributed(**describe(bucket), version=None, group_name=name, flush_cache=False)
+        await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, "cpu"))
+        await c.aend_weight_update()
+        await c.adestroy_weights_update_group(name)
+    dist.destroy_process_group(group)
+
+
+SESSION_CALLS = (("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                       "shapes": [[48]], "group_name": "g"}),
+                 ("/end_weight_update", {}), ("/begin_weight_update", {"selector": "all"}),
+                 ("/begin_weight_update", {}), ("/end_weight_update", {}), ("/end_weight_update", {}))
+
+
+async def asession_answers(url: str) -> list[tuple[str, int, str]]:
+    """(route, status, message) for SESSION_CALLS, in order: a bucket outside a session, an end
+    without a begin, a begin, a second begin, an end, a second end."""
+    import json
+
+    from megatron_darl.rollout.sglang_client import EngineHTTPError, SGLangClient
+
+    out = []
+    async with SGLangClient(url, max_retries=0) as c:
+        for route, body in SESSION_CALLS:
+            try:
+                out.append((route, 200, (await c.arequest("POST", route, body))["message"]))
+            except EngineHTTPError as exc:
+                out.append((route, exc.status, json.loads(exc.body).get("message")))
+    return out

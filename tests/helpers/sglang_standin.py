@@ -9,8 +9,14 @@ the release's `record_weight_version_events` / `compute_weight_version_spans` /
 no tokens, no prompt_tokens; mid-decode: partial output), "default" as the version before any
 update, and its pause semantics (new requests wait while paused; `/health_generate` is 503
 while paused; a weight load while paused is immediate); the distributed update joins a gloo
-group as the release's model runner does and receives one broadcast per tensor. Generation reuses the project's
-`Decoder`. Every call is appended to `--calls` (JSON lines) for the test to inspect.
+group as the release's model runner does and receives one broadcast per tensor; the release's
+weight-update session (`Release.session_rules`, read from its scheduler's source: which routes a
+session must be open or closed for, and the refusal, 400 with its message); and, as the release,
+each bucket loaded as it arrives, so a version stopped half-way leaves a mix that generation
+would use: tokens decoded on it are counted (`mixed_tokens` of each /generate in the log,
+`mixed` on /continue_generation and /end_weight_update, `mixed_steps` in /server_info) for the
+tests to find. Generation reuses the project's `Decoder`. Every call is appended to `--calls`
+(JSON lines) for the test to inspect.
 Run: `python sglang_standin.py --model DIR --port P --release-root ROOT --calls FILE`.
 What it is not: SGLang (no scheduler, radix cache or tokenizer), or a test.
 """
@@ -22,10 +28,11 @@ import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from aiohttp import web
 
-from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
+from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError, load_hf_tensors
 from megatron_darl.types import SamplingParams
 from tests.helpers.sglang_release import Release
 
@@ -33,7 +40,8 @@ CONTROL = {"/pause_generation": "PauseGenerationReqInput", "/continue_generation
            "/abort_request": "AbortReq", "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
            "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
            "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
-           "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput"}
+           "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+           "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput"}
 
 
 class Req:
@@ -44,6 +52,7 @@ class Req:
         self.weight_version_events: list = []
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
         self.running = False
+        self.mixed_tokens = 0  # tokens decoded while the model held part of a version
 
     @property
     def output_ids(self) -> list[int]:
@@ -54,6 +63,11 @@ class StandIn:
     def __init__(self, release: Release, model: str, calls: str):
         self.rel, self.calls = release, open(calls, "a", encoding="utf-8")
         self.decoder = Decoder(model, max_batch=512)
+        self.tensors = load_hf_tensors(model, self.decoder.spec)  # what the model holds, bucket by bucket
+        self.session = False  # the release's weight-update session (/begin_weight_update)
+        self.session_rules = release.session_rules  # read from the release's scheduler source
+        self.mixed = False  # a bucket of a version is loaded, not its last one: the model serves a mix
+        self.mixed_steps = 0
         self.model_path, self.version = model, "default"  # SGLang's weight_version before any update
         self.reqs: dict[str, Req] = {}
         self.paused = False
@@ -63,7 +77,6 @@ class StandIn:
         self.wake = asyncio.Event()
         self.pool = ThreadPoolExecutor(1)
         self.groups: dict = {}  # group name -> process group (/init_weights_update_group)
-        self.received: dict = {}  # tensors of the version being broadcast, until its weight_version
 
     def log(self, route: str, status: int, body, **extra) -> None:
         self.calls.write(json.dumps({"route": route, "status": status, "body": body, **extra}) + "\n")
@@ -105,6 +118,10 @@ class StandIn:
                         self.decoder.add(req.seq)
                         req.running = True
                 done = await asyncio.get_running_loop().run_in_executor(self.pool, self.decoder.step)
+                if self.mixed:
+                    self.mixed_steps += 1
+                    for req in self.reqs.values():
+                        req.mixed_tokens += req.running
             for seq in done:
                 if seq.rid in self.reqs:
                     self.finish(self.reqs[seq.rid], seq.finish)
@@ -139,7 +156,7 @@ class StandIn:
         self.wake.set()
         out = await req.future
         self.log("/generate", 200, None, finish=out["meta_info"]["finish_reason"]["type"],
-                 versions=out["meta_info"]["weight_versions"], n=len(out["output_ids"]))
+                 versions=out["meta_info"]["weight_versions"], n=len(out["output_ids"]), mixed_tokens=req.mixed_tokens)
         return web.json_response(out)
 
     async def control(self, request: web.Request) -> web.Response:
@@ -150,7 +167,22 @@ class StandIn:
         except AssertionError as exc:
             self.log(request.path, 400, body, error=str(exc))
             return web.json_response({"error": str(exc)}, status=400)
-        return await getattr(self, request.path.strip("/"))(body)
+        name, rules = request.path.strip("/"), self.session_rules
+        refusal = rules.refused_without.get(name) if not self.session else rules.refused_while_open.get(name)
+        if refusal is not None:  # the scheduler answers before doing anything; the route says 400
+            self.log(request.path, 400, body, error=refusal)
+            return web.json_response({"success": False, "message": refusal}, status=400)
+        return await getattr(self, name)(body)
+
+    async def begin_weight_update(self, body: dict) -> web.Response:
+        self.session = True
+        self.log("/begin_weight_update", 200, body)
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, body: dict) -> web.Response:
+        self.session = False
+        self.log("/end_weight_update", 200, body, mixed=self.mixed)
+        return web.json_response({"success": True, "message": "Success"})
 
     async def pause_generation(self, body: dict) -> web.Response:
         self.paused = True
@@ -167,7 +199,7 @@ class StandIn:
         self.paused = False
         self.resumed.set()
         self.wake.set()
-        self.log("/continue_generation", 200, body)
+        self.log("/continue_generation", 200, body, mixed=self.mixed)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, body: dict) -> web.Response:
@@ -180,7 +212,10 @@ class StandIn:
     async def update_weights_from_disk(self, body: dict) -> web.Response:
         async with self.lock:  # paused: at once (SGLang); running: between steps
             try:
-                await asyncio.get_running_loop().run_in_executor(self.pool, self.decoder.load_weights, body["model_path"])
+                tensors = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, load_hf_tensors, body["model_path"], self.decoder.spec)
+                self.decoder.use_tensors(tensors)
+                self.tensors, self.mixed = tensors, False
             except (WeightLoadError, OSError) as exc:
                 self.log("/update_weights_from_disk", 400, body, error=str(exc))
                 return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
@@ -214,15 +249,17 @@ class StandIn:
 
         group = self.groups.get(body.get("group_name", "weight_update_group"))
 
-        def receive():  # one broadcast per tensor from rank 0, in the order of names
+        def receive():  # one broadcast per tensor from rank 0, in the order of names, all of them first
             assert group is not None, "Please call `init_weights_update_group` first."
+            received = {}
             for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 dist.broadcast(t, src=0, group=group)
-                self.received[name] = t
-            if body.get("weight_version") is not None:
-                received, self.received = self.received, {}
-                self.decoder.use_tensors(check_received(received, self.decoder.spec))
+                received[name] = t
+            # then loaded at once, as the release's runner does: until the last bucket, a mix
+            tensors = check_received({**self.tensors, **received}, self.decoder.spec)
+            self.decoder.use_tensors(tensors)
+            self.tensors, self.mixed = tensors, body.get("weight_version") is None
 
         def loaded(_):
             if body.get("weight_version") is not None and body["weight_version"] != self.version:
@@ -256,7 +293,8 @@ class StandIn:
         return web.json_response({"success": True, "message": ok})
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"tp_size": 1, "weight_version": self.version, "version": self.rel.version})
+        return web.json_response({"tp_size": 1, "weight_version": self.version, "version": self.rel.version,
+                                  "mixed": self.mixed, "mixed_steps": self.mixed_steps})
 
     async def health_generate(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.paused else 200)  # SGLang's probe times out behind a pause
@@ -281,6 +319,13 @@ class StandIn:
 
         app.on_startup.append(start)
         return app
+
+
+def served_calls(path: Path) -> list[dict]:
+    """A stand-in's call log (whole lines only: it may be writing the last one)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
 
 
 def main() -> None:

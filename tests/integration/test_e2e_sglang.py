@@ -9,12 +9,10 @@ request or control call is refused, and the engine is never marked down.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,19 +21,13 @@ from megatron_darl.launch.engine_host import healthy
 from tests.helpers import repo_env
 from tests.helpers.e2e import new_run
 from tests.helpers.sglang_release import require_release
+from tests.helpers.sglang_standin import served_calls
 
 STEPS = 3
 
 
 def _healthy(url: str) -> bool:
     return healthy(url)
-
-
-def served_calls(path: Path) -> list[dict]:
-    """The stand-in's call log (whole lines only: it may be writing the last one)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
 
 
 def train_against_standin(tmp_path, warm_model, **rollout):

@@ -190,3 +190,42 @@ def test_the_client_ends_a_stale_session_and_takes_the_not_open_refusal_as_none(
         return first, second
 
     assert asyncio.run(go()) == (False, True)
+
+
+# ---- the stand-in holds the same rules, and serves part of a version as the release would --------
+
+@pytest.mark.timeout(180)
+def test_the_standin_holds_the_release_session_and_serves_a_half_version_as_sglang_would(release, tmp_path):
+    """The stand-in answers the session's calls with the wheel's rules and messages, and, as the
+    release, loads each bucket as it arrives: after a version stopped at its first bucket, a
+    resumed stand-in decodes on the mix and its log counts those tokens (what the rollout
+    manager must never let happen: tests/unit/rollout/test_manager_distributed.py)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.engines import asend_first_bucket_only, asession_answers, running_standin, save_wide
+    from tests.helpers.sglang_standin import served_calls
+    from megatron_darl.types import GenerateRequest, SamplingParams
+
+    save_wide(tmp_path / "a", seed=1)
+    save_wide(tmp_path / "b", seed=2)
+    rules = release.session_rules
+    first = sorted(load_file(str(tmp_path / "b" / "model.safetensors")).items())[:5]
+
+    async def half_version(url):
+        await asend_first_bucket_only(url, first, "half")
+        async with SGLangClient(url, max_retries=0) as c:
+            await c.aresume()
+            return await c.agenerate(GenerateRequest([3, 4], SamplingParams(temperature=0.0, max_new_tokens=4), "m"))
+
+    with running_standin(tmp_path / "a", tmp_path) as (url, calls):
+        answers = asyncio.run(asession_answers(url))
+        asyncio.run(half_version(url))
+        served = served_calls(calls)
+    assert answers == [
+        ("/update_weights_from_distributed", 400, rules.refused_without["update_weights_from_distributed"]),
+        ("/end_weight_update", 400, rules.refused_without["end_weight_update"]),
+        ("/begin_weight_update", 200, "Success"),
+        ("/begin_weight_update", 400, rules.refused_while_open["begin_weight_update"]),
+        ("/end_weight_update", 200, "Success"), ("/end_weight_update", 400, rules.refused_without["end_weight_update"])]
+    assert [c["mixed"] for c in served if c["route"] == "/end_weight_update" and c["status"] == 200][-1] is True
+    assert [c["mixed_tokens"] for c in served if c["route"] == "/generate"] == [4]
