@@ -10,8 +10,9 @@ result* (`transfer_result.json`: the same id, the version it sent, the engines t
 the ones that failed and why, and an HF folder of that version when any failed).
 `apush_distributed` drives one exchange for the manager: engines that failed load the folder
 through `/update_weights_from_disk` (logged, counted as `rollout/weight_sync_fallbacks`).
-A group name carries the engine's incarnation: an engine marked down (dead, restarted or
-just late) joins a new group when it comes back, never the old one.
+A group name carries the run id, a random token of the manager's start and the engine's
+incarnation: an engine marked down (dead, restarted or just late) joins a new group when it
+comes back, never the old one, and a restarted manager never asks for a name an engine holds.
 What it is not: the broadcast itself, or the pause/resume around it (`manager.py`).
 """
 
@@ -36,9 +37,18 @@ def transfer_paths(notice_path: str) -> tuple[str, str]:
     return os.path.join(folder, "transfer_request.json"), os.path.join(folder, "transfer_result.json")
 
 
-def group_name(index: int, incarnation: int) -> str:
-    """The process group of engine `index` in its `incarnation`-th life (new after every down)."""
-    return f"darl-w{index}-{incarnation}"
+def group_tag(run_id: str | None = None) -> str:
+    """What every group name of one manager start begins with: the run id and a random token, so
+    neither another run nor a restarted manager of this run (whose incarnations start again at 0
+    while the engines still hold the old groups: "group name has already been created") reuses
+    a name."""
+    return f"darl-{run_id}-{uuid.uuid4().hex[:8]}" if run_id else f"darl-{uuid.uuid4().hex[:8]}"
+
+
+def group_name(tag: str, index: int, incarnation: int) -> str:
+    """The process group of engine `index` in its `incarnation`-th life (new after every down)
+    under the manager start `tag` (`group_tag`)."""
+    return f"{tag}-w{index}-{incarnation}"
 
 
 @dataclass

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from megatron_darl.channel.json_files import write_json_atomic
+from megatron_darl.channel.weight_transfer import group_tag
 from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, weight_version_from_json, write_status
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import RolloutEngine
@@ -169,6 +170,7 @@ class RolloutManager:
         max_inflight_groups: int | None = None,  # None: enough groups to fill every engine slot
         max_episode_attempts: int = 3,  # scoring failures before a group is dropped (counted)
         clock: Callable[[], float] = time.monotonic,
+        run_id: str | None = None,  # begins the weight groups' names, with a token of this start
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager: no engines (rollout.engine_urls / rollout.num_engines)")
@@ -193,6 +195,7 @@ class RolloutManager:
         self._clock = clock
         self._signal = _Signal()
         self._update_lock = asyncio.Lock()
+        self._group_tag = group_tag(run_id)  # weight_sync=distributed: new names at every manager start
         self._active: dict[int, Episode] = {}  # admitted, running
         self._tasks: dict[int, asyncio.Task] = {}
         self._writing: set[int] = set()  # groups inside sink.aput_group: never cancelled
@@ -480,7 +483,7 @@ class RolloutManager:
         if self._notice_path is None:
             raise ValueError("weight_sync=distributed needs the notice path (the learner answers beside it)")
         client = TransferClient(self._notice_path, self.config.request_timeout_s)
-        await apush_distributed(client, weights, slots, self._aop, self._count, self._mark_down)
+        await apush_distributed(client, weights, slots, self._group_tag, self._aop, self._count, self._mark_down)
 
     # ---- health -------------------------------------------------------------------------
 

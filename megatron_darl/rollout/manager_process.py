@@ -208,7 +208,7 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         cfg = load_config(info.config, args.overrides)
         return cfg, {"ring": info.ring, "notice": info.notice, "status": info.status, "resume": info.rollout_state,
                      "urls": list(info.engine_urls), "announced": None if info.engine_urls else info,
-                     "log_dir": info.log_dir}
+                     "log_dir": info.log_dir, "run_id": info.run_id}
     missing = [f"--{k}" for k in ("config", "ring", "weight_notice") if getattr(args, k) is None]
     if missing:
         raise SystemExit(f"rollout manager: pass --run-info, or {' '.join(missing)}")
@@ -218,7 +218,7 @@ def _settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise SystemExit("rollout manager: no engines: pass --engine-url (repeat) or set rollout.engine_urls")
     status = args.status or args.weight_notice + ".status"
     return cfg, {"ring": args.ring, "notice": args.weight_notice, "status": status, "resume": args.resume,
-                 "urls": urls, "announced": None, "log_dir": os.path.join(cfg.train.run_dir, "logs")}
+                 "urls": urls, "announced": None, "log_dir": os.path.join(cfg.train.run_dir, "logs"), "run_id": None}
 
 
 async def _aengines(cfg: Any, where: dict[str, Any], args: argparse.Namespace) -> tuple[list, Any]:
@@ -279,7 +279,7 @@ async def _amain(args: argparse.Namespace) -> None:
     gate = StalenessGate(cfg.algo.max_head_offpolicyness, cfg.train.batch_prompts, args.initial_version)
     mgr = RolloutManager(rc, engines, loader, GroupWorkflow(rc, scorer, seed=cfg.train.seed), sink, gate,
                          restarter=restarter, notice_path=where["notice"], status_path=where["status"],
-                         initial_version=args.initial_version)
+                         initial_version=args.initial_version, run_id=where["run_id"])
     if where["resume"]:
         with open(where["resume"], encoding="utf-8") as fh:
             mgr.load_state_dict(json.load(fh))

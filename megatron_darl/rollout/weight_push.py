@@ -18,15 +18,16 @@ from megatron_darl.types import WeightVersion
 log = logging.getLogger(__name__)
 
 
-async def apush_distributed(client: TransferClient, weights: WeightVersion, slots: list,
+async def apush_distributed(client: TransferClient, weights: WeightVersion, slots: list, tag: str,
                             aop: Callable[..., Any], count: dict, mark_down: Callable[[Any, str], None]) -> None:
     """Have the learner push `weights` (or newer) to `slots`; set each slot's version to what it
     now serves. Engines that failed load the learner's fallback folder; an engine that gets
-    neither is marked down. `aop(slot, what, make)` is the manager's bounded control call."""
+    neither is marked down. `tag` begins the group names (`weight_transfer.group_tag`);
+    `aop(slot, what, make)` is the manager's bounded control call."""
     todo = [s for s in slots if s.version != weights.version]
     if not todo:
         return
-    engines = [{"index": s.index, "url": s.engine.url, "group": group_name(s.index, s.incarnation)} for s in todo]
+    engines = [{"index": s.index, "url": s.engine.url, "group": group_name(tag, s.index, s.incarnation)} for s in todo]
     try:
         result = await client.arequest(weights.version, engines)
     except (TimeoutError, ValueError, OSError) as exc:

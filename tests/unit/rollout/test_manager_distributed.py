@@ -61,7 +61,8 @@ def test_partials_span_versions_and_a_failed_broadcast_falls_back_to_disk(tmp_pa
     check_groups(sink, cfg)
     mixed = [t for g in sink.groups for t in g if set(t.behav_versions.tolist()) == {0, 1}]
     assert mixed and all(t.behav_versions.tolist() == sorted(t.behav_versions.tolist()) for t in mixed)
-    assert [e["group"] for e in seen[0]["engines"]] == ["darl-w0-0", "darl-w1-0"]
+    groups = [e["group"] for e in seen[0]["engines"]]
+    assert [g.rsplit("-", 2)[1:] for g in groups] == [["w0", "0"], ["w1", "0"]] and groups[0].startswith("darl-")
     assert engines[0].updates == [] and engines[1].updates == [1]  # only the failed one read a folder
     m = mgr.metrics()
     assert m["rollout/weight_sync_fallbacks"] == 1 and m["rollout/engines_up"] == 2 and mgr.version == 1
@@ -87,7 +88,7 @@ def test_an_engine_back_from_down_rejoins_with_a_new_group_and_the_current_versi
     mgr = asyncio.run(main())
     assert sorted(sink.uids) == [p.uid for p in prompts.items]
     rejoin = [r for r in seen if [e["index"] for e in r["engines"]] == [0]]
-    assert rejoin and rejoin[-1]["engines"][0]["group"] == "darl-w0-1" and rejoin[-1]["version"] == 1
+    assert rejoin and rejoin[-1]["engines"][0]["group"].endswith("-w0-1") and rejoin[-1]["version"] == 1
     assert engines[0].version == 1 and mgr.metrics()["rollout/engine_recoveries"] >= 1
 
 
@@ -107,3 +108,28 @@ def test_a_learner_that_never_answers_marks_the_engines_down_within_the_bound(tm
     m = asyncio.run(main())
     assert m["rollout/engines_up"] == 0 and m["rollout/engine_failures"] == 2
     assert not any(e.paused for e in engines)  # nothing stays paused
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_manager_asks_for_group_names_no_engine_holds(tmp_path):
+    """Two starts of the manager of one run over the same engines (a manager restart: its
+    engines' incarnations begin again at 0 while the engines still hold the first start's
+    groups): every name differs, and each carries the run id. Before issue 31 both starts asked
+    for darl-w0-0 and darl-w1-0, which SGLang refuses ("group name has already been created")."""
+    notice, seen = str(tmp_path / "notice.json"), []
+    names = []
+    for start in range(2):
+        cfg, engines, prompts, sink, wf = make(n_prompts=1, n_engines=2)
+
+        async def main():
+            learner = asyncio.create_task(fake_learner(notice, engines, set(), seen))
+            mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=notice, run_id="run7")
+            await mgr.astart()
+            await mgr.aupdate_weights(dist_version(1 + start))
+            await mgr.astop()
+            learner.cancel()
+
+        asyncio.run(main())
+        names.append([e["group"] for e in seen[-1]["engines"]])
+    assert len(set(names[0] + names[1])) == 4, names
+    assert all(n.startswith("darl-run7-") and n.endswith(("-w0-0", "-w1-0")) for n in names[0] + names[1]), names
