@@ -131,6 +131,9 @@ class _Slot:
     busy_since: float | None = None
     last_restart: float = -math.inf
     incarnation: int = 0  # +1 at every down: a distributed weight update then uses a new group
+    # a distributed version failed on it: SGLang loads each bucket as it arrives, so it may hold a
+    # mix of versions; it is neither resumed nor given requests until it loaded a whole version
+    partial: bool = False
 
     def add(self, rid: str, fut: asyncio.Future, now: float) -> None:
         if not self.inflight:
@@ -301,8 +304,9 @@ class RolloutManager:
                 if self._gate is not None:
                     self._gate.on_version(weights.version, consumed, new_groups)  # the learner's counts, if sent
                 await self._apush(weights, [s for s in live if s.up])
-                # nothing stays paused: an engine whose pause or update failed is down, but resumed
-                await asyncio.gather(*(self._aresume_quietly(s) for s in live if not s.up))
+                # nothing stays paused: an engine whose pause or update failed is down, but resumed,
+                # unless it may hold part of a version (it resumes once it has loaded a whole one)
+                await asyncio.gather(*(self._aresume_quietly(s) for s in live if not s.up and not s.partial))
             finally:
                 self._paused = False
                 self._signal.notify()
@@ -512,8 +516,13 @@ class RolloutManager:
             log.info("engine %d (%s): resume while down failed: %r", slot.index, slot.engine.url, exc)
 
     async def _arevive(self, slot: _Slot) -> None:
-        await self._aresume_quietly(slot)  # before the health check: paused is not dead
-        healthy = await self._ahealthy(slot)
+        if slot.partial:  # no resume and no probe (a paused engine fails it): a whole version first
+            if await self._areload(slot) or self._restarter is None:
+                return  # back, or tried again at the next round
+            healthy = False  # it does not take a version: a restart gives it whole (initial) weights
+        else:
+            await self._aresume_quietly(slot)  # before the health check: paused is not dead
+            healthy = await self._ahealthy(slot)
         now = self._clock()
         if not healthy and self._restarter is not None and now - slot.last_restart >= self._restart_grace_s:
             slot.last_restart = now
@@ -523,9 +532,13 @@ class RolloutManager:
             except Exception as exc:
                 log.warning("engine %d: restart failed: %r", slot.index, exc)
                 return
+            slot.partial = False  # a new engine process, on its initial weights
             healthy = await self._ahealthy(slot)
-        if not healthy:
-            return
+        if healthy:
+            await self._areload(slot)
+
+    async def _areload(self, slot: _Slot) -> bool:
+        """Load the current weights on a down engine and resume it; True once it is back up."""
         async with self._update_lock:  # an engine returns with the current weights, never between
             ok = True
             if self._weights is not None and self._weights.kind == "distributed":
@@ -535,14 +548,16 @@ class RolloutManager:
                 weights = self._weights
                 ok = await self._aop(slot, "update_weights", lambda: slot.engine.aupdate_weights(weights))
                 slot.version = weights.version if ok else slot.version
+                slot.partial = slot.partial and not ok
             else:  # nothing to push: it serves its initial weights (behind, after a restore)
                 slot.version = self._initial_version
             # resume too: it may have gone down while paused (a no-op on a running engine)
-            if ok and await self._aop(slot, "resume", slot.engine.aresume):
+            if ok and not slot.partial and await self._aop(slot, "resume", slot.engine.aresume):
                 slot.up = True  # only now may requests reach it
                 self._count["engine_recoveries"] += 1
                 log.info("engine %d (%s) is back at version %d", slot.index, slot.engine.url, slot.version)
         self._signal.notify()
+        return slot.up
 
     # ---- admission and episodes ----------------------------------------------------------
 

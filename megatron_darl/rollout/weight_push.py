@@ -3,7 +3,9 @@
 What it is: `apush_distributed`, which asks the learner (through `channel/weight_transfer.py`)
 to broadcast a version to the paused engines that do not serve it yet, and finishes what the
 broadcast could not do: an engine that failed loads the learner's fallback folder from disk, an
-engine that gets neither is marked down.
+engine that gets neither is marked down. An engine whose transfer failed may hold part of the
+version (SGLang loads each bucket as it arrives): it is marked `partial` until it loads a whole
+version, and the manager neither resumes it nor sends it requests until then (`manager.py`).
 What it is not: the broadcast itself (the trainer's `weight_sender.py`, and each engine).
 """
 
@@ -32,12 +34,14 @@ async def apush_distributed(client: TransferClient, weights: WeightVersion, slot
         result = await client.arequest(weights.version, engines)
     except (TimeoutError, ValueError, OSError) as exc:
         for s in todo:
+            s.partial = True  # the learner may have sent it part of the version
             mark_down(s, f"distributed weight update failed: {exc}")
         return
     for s in todo:
         if s.index in result.ok:
-            s.version = result.version
+            s.version, s.partial = result.version, False
             continue
+        s.partial = True  # SGLang loaded the buckets it got: a mix of versions until a whole one loads
         why = result.failed.get(s.index, "not in the learner's answer")
         if result.fallback is None:
             mark_down(s, f"distributed weight update failed and no fallback folder: {why}")
@@ -47,4 +51,4 @@ async def apush_distributed(client: TransferClient, weights: WeightVersion, slot
         count["weight_sync_fallbacks"] += 1
         folder = WeightVersion(version=result.version, kind="disk", location=result.fallback)
         if await aop(s, "update_weights (disk fallback)", lambda s=s: s.engine.aupdate_weights(folder)):
-            s.version = result.version
+            s.version, s.partial = result.version, False

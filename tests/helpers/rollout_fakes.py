@@ -3,7 +3,8 @@ and fault tests.
 
 What it is: `ScriptedPrompt` / `ScriptedPrompts` (a prompt loader over a fixed list, with the
 loader's resumable state), `FakeEngine` (a `RolloutEngine`: one token per step, tokens tagged with
-the loaded version, SGLang's abort / in_place pause semantics, switches to die or hang),
+the loaded version, SGLang's abort / in_place pause semantics, switches to die or hang, and what it
+resumes or decodes while it holds part of a version),
 `ParityScorer`, `ListSink`, and `make` / `check_groups`, which build and check a manager's run.
 What it is not: a test, or a stand-in for a real engine process (`engines.py` starts darl-engine).
 """
@@ -71,6 +72,11 @@ class FakeEngine:
         self.max_active = 0
         self.requests: list[GenerateRequest] = []
         self.updates: list[int] = []
+        # part of a version loaded (a distributed update that failed half-way, as SGLang leaves it):
+        # what it resumes or decodes on that mix is counted; a whole version loaded clears it
+        self.mixed = False
+        self.resumes_while_mixed = self.mixed_tokens = 0
+        self.fail_updates = 0  # aupdate_weights calls that fail (a fallback folder it cannot read)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._idle = asyncio.Event()
@@ -100,6 +106,7 @@ class FakeEngine:
                     break
                 await self._resumed.wait()  # in_place: frozen, continues under new weights
                 tok = fake_token(req.sampling.seed, len(req.input_ids) + len(ids))
+                self.mixed_tokens += self.mixed
                 ids.append(tok)
                 lps.append(-0.01 * tok)
                 vers.append(self.version)
@@ -120,13 +127,17 @@ class FakeEngine:
     async def aresume(self) -> None:
         if self.dead:
             raise ConnectionError(f"{self.url}: connection refused")
+        self.resumes_while_mixed += self.mixed
         self.paused = False
         self._resumed.set()
 
     async def aupdate_weights(self, weights: WeightVersion) -> None:
         if self.dead:
             raise ConnectionError(f"{self.url}: connection refused")
-        self.version = weights.version
+        if self.fail_updates:
+            self.fail_updates -= 1
+            raise RuntimeError(f"{self.url}: cannot read {weights.location}")
+        self.version, self.mixed = weights.version, False
         self.updates.append(weights.version)
 
     async def ahealth(self) -> bool:

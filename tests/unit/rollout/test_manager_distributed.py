@@ -2,7 +2,8 @@
 answering the transfer requests beside the notice: pause, transfer, resume keeps partial rollouts
 and per-token versions exact; an engine whose broadcast failed loads the fallback folder
 (counted); an engine that was down rejoins with a new group and the current version; a learner
-that never answers marks the engines down after the bound instead of hanging."""
+that never answers marks the engines down after the bound instead of hanging; an engine that
+may hold part of a version is not resumed until it loaded a whole one."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.helpers.rollout_fakes import check_groups, make
 
 async def fake_learner(notice: str, engines: list, fail: set[int], seen: list[dict]) -> None:
     """Answers every new request: engines not in `fail` now serve the version (as a broadcast
-    would leave them), the others fail and a fallback folder is named."""
+    would leave them), the others fail half-way (they hold a mix) and a fallback folder is named."""
     req_path, res_path = transfer_paths(notice)
     last = None
     while True:
@@ -28,8 +29,9 @@ async def fake_learner(notice: str, engines: list, fail: set[int], seen: list[di
             last = req["id"]
             seen.append(req)
             ok = [e["index"] for e in req["engines"] if e["index"] not in fail]
-            for i in ok:
-                engines[i].version = req["version"]
+            for e in req["engines"]:  # a failed broadcast leaves what SGLang loaded of it: a mix
+                i = e["index"]
+                engines[i].version, engines[i].mixed = (req["version"], False) if i in ok else (engines[i].version, True)
             write_json_atomic(res_path, {"id": req["id"], "version": req["version"], "ok": ok,
                                          "failed": {str(e["index"]): "broadcast timed out" for e in req["engines"]
                                                     if e["index"] in fail},
@@ -107,7 +109,8 @@ def test_a_learner_that_never_answers_marks_the_engines_down_within_the_bound(tm
 
     m = asyncio.run(main())
     assert m["rollout/engines_up"] == 0 and m["rollout/engine_failures"] == 2
-    assert not any(e.paused for e in engines)  # nothing stays paused
+    # the learner may have sent them part of the version: paused until a whole one loads
+    assert all(e.paused for e in engines)
 
 
 @pytest.mark.timeout(60)
@@ -133,3 +136,41 @@ def test_a_restarted_manager_asks_for_group_names_no_engine_holds(tmp_path):
         names.append([e["group"] for e in seen[-1]["engines"]])
     assert len(set(names[0] + names[1])) == 4, names
     assert all(n.startswith("darl-run7-") and n.endswith(("-w0-0", "-w1-0")) for n in names[0] + names[1]), names
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_left_on_part_of_a_version_runs_again_only_after_a_whole_one(tmp_path):
+    """Engine 1's broadcast fails half-way (it holds a mix, as SGLang leaves it) and it cannot
+    read the fallback folder either: the manager must neither resume it nor send it requests
+    until it has loaded a whole version; the health loop has the learner send it the version
+    again, and only then does it run. Measured on the fake engine: resumes and tokens while it
+    held the mix. Before issue 31 the manager resumed it at once ("nothing stays paused"), and
+    again before each health check."""
+    cfg, engines, prompts, sink, wf = make(n_prompts=16, n_engines=2, step_s=0.004)
+    notice, seen, fail = str(tmp_path / "notice.json"), [], {1}
+    engines[1].fail_updates = 10**6
+
+    async def main():
+        learner = asyncio.create_task(fake_learner(notice, engines, fail, seen))
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=notice, health_interval_s=0.05)
+        await mgr.astart()
+        await mgr.aupdate_weights(dist_version(1))
+        down, at_down = mgr.metrics()["rollout/engines_up"], len(engines[1].requests)
+        await asyncio.sleep(0.3)  # health rounds: the learner still fails it, so it stays paused
+        held = (engines[1].paused, engines[1].mixed, len(engines[1].requests) - at_down)
+        fail.clear()  # the learner's next broadcast to it gets through
+        while mgr.metrics()["rollout/engines_up"] < 2:
+            await asyncio.sleep(0.01)
+        asked = len(engines[1].requests)
+        await asyncio.wait_for(mgr.arun(), 30)
+        learner.cancel()
+        return mgr, down, held + (len(engines[1].requests) - asked,)
+
+    mgr, down, held = asyncio.run(main())
+    assert down == 1 and held[:3] == (True, True, 0) and held[3] > 0  # requests only once whole again
+    assert engines[1].resumes_while_mixed == 0 and engines[1].mixed_tokens == 0
+    assert not engines[1].mixed and engines[1].version == 1 and engines[1].updates == []  # the fallback never read
+    assert sorted(sink.uids) == [p.uid for p in prompts.items]
+    m = mgr.metrics()
+    assert m["rollout/engines_up"] == 2 and m["rollout/engine_recoveries"] >= 1
+    assert m["rollout/weight_sync_fallbacks"] >= 1
