@@ -2,9 +2,10 @@
 
 The stand-in (`sglang_standin.py`) validates every body with sglang 0.5.23's own contract and
 request classes (downloaded by `tests/sglang_release.py`) and answers as that release does
-(weight_versions spans, abort shapes, 503 health while paused). A few training steps run to
-completion, every weight version reaches the server through `/update_weights_from_disk`, no
-request or control call is refused, and the engine is never marked down.
+(weight_versions spans, abort shapes, 503 health while paused, the weight-update session). A few
+training steps run to completion, every weight version reaches the server through
+`/update_weights_from_disk` (or, with `weight_sync=distributed`, a broadcast inside the session),
+no request or control call is refused, and the engine is never marked down.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
 @pytest.mark.timeout(420)
 def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_path, warm_model):
     """rollout.weight_sync=distributed: every version reaches the server through one group it
-    joined with the release's bodies and one broadcast per tensor; no weights file is read."""
+    joined with the release's bodies and one broadcast per tensor, inside the release's
+    weight-update session (begin, buckets, end); no weights file is read."""
     code, out, served, run = train_against_standin(tmp_path, warm_model, weight_sync="distributed")
     assert code == 0, out[-4000:]
     assert not [c for c in served if c["status"] != 200], [c for c in served if c["status"] != 200][:3]
@@ -97,6 +99,14 @@ def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_p
     versions = [int(c["body"]["weight_version"]) for c in served
                 if c["route"] == "/update_weights_from_distributed" and c["body"]["weight_version"] is not None]
     assert versions == list(range(1, STEPS + 1)), versions
+    # every version inside the release's weight-update session (the stand-in refuses a bucket
+    # outside one: the sender before issue 31 failed here), and no token decoded on part of one
+    session = [c["route"] for c in served if c["route"] in ("/begin_weight_update", "/end_weight_update",
+                                                             "/update_weights_from_distributed")]
+    opened = [i for i, r in enumerate(session) if r == "/begin_weight_update"]
+    assert len(opened) == STEPS and all(session[i + 1] == "/update_weights_from_distributed" for i in opened), session
+    assert session.count("/end_weight_update") == STEPS and session[-1] == "/end_weight_update", session
+    assert not [c for c in served if c["route"] == "/generate" and c["mixed_tokens"]]
     assert not any(d.startswith("v") for d in os.listdir(os.path.join(run.run_dir, "weights")))
     generated = [c for c in served if c["route"] == "/generate"]
     assert {v["version"] for c in generated for v in c["versions"]} >= {"default", "1"}
