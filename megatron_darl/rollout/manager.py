@@ -8,7 +8,10 @@ resumes. Partial rollouts survive the update: with `pause_mode=abort` an aborted
 tokens are kept with their versions and the continuation is resubmitted (`partial_rollout`),
 or dropped and the sample restarted. A failed or hung request marks its engine down, cancels
 everything in flight on it and requeues those samples on other engines; a health loop brings
-engines back (restarting embedded ones through the restarter). No prompt is lost or written
+engines back (restarting embedded ones through the restarter) with the current weights. An
+engine whose distributed transfer failed may hold part of a version (SGLang loads each bucket as
+it arrives): it is left paused, gets no requests, and the health loop has it load a whole
+version before it resumes (`_arevive`). No prompt is lost or written
 twice: a drawn prompt is in flight (and in `state_dict()`), written, or filtered or dropped
 (both counted).
 The process entry (`python -m megatron_darl.rollout ...`) and the adapters to the real
