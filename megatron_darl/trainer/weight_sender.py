@@ -230,14 +230,12 @@ class WeightSender:
 
     async def _afailed(self, client, engine: dict, version: int, err: BaseException) -> None:
         log.warning("engine %s: weight broadcast of version %d failed: %r", engine["url"], version, err)
-        joined = engine["group"] in self._groups
-        if joined:  # our side first: a receive still waiting on the engine then fails sooner
+        calls = [self._aend_quietly(client)]  # the session closed on this path too
+        if engine["group"] in self._groups:  # our side first: a receive still waiting may fail sooner
             self._drop(engine["group"])
-        # the session closed on this path too (the buckets SGLang got are loaded: the engine must
-        # load a whole version, the fallback folder, before it generates again)
-        await self._aend_quietly(client)
-        if joined:
-            await self._aforget(client, engine["group"])
+            calls.append(self._aforget(client, engine["group"]))
+        # at once: both may wait behind a receive the engine is still in (each bounded by timeout_s)
+        await asyncio.gather(*calls)
 
     async def _agroup(self, client, name: str):
         """The engine's group `name`, joined now if new (its older groups are dropped)."""
