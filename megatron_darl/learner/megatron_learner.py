@@ -22,7 +22,7 @@ from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig
 from megatron_darl.learner import checkpoint, model, weights
 from megatron_darl.learner.collectives import broadcast_arrays
 from megatron_darl.learner.logprobs import config_multiple, run_schedule
-from megatron_darl.learner.packing import pad_batch, rank_micro_batches
+from megatron_darl.learner.packing import dp_lockstep, pad_batch, rank_micro_batches
 from megatron_darl.learner.parallel import destroy_parallel, init_parallel
 from megatron_darl.learner.snapshots import PolicySnapshots, choose_mode
 from megatron_darl.learner.train_step import setup_training, train_step
@@ -68,6 +68,8 @@ class MegatronLearner:
         self.chunks = chunks
         # token widths are padded to this (FP8 GEMM alignment, sequence parallel); 1: none
         self.seq_multiple = config_multiple(chunks[0].config)
+        # FP8 delayed: amax reduced over TP x DP at each forward, so DP ranks run as many micro-batches
+        self.lockstep = dp_lockstep(chunks[0].config)
         self.ddp, self.optimizer, self.scheduler = setup_training(chunks, optim_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
         self.step = 0  # train steps done (each is ppo_n_minibatches optimizer steps)
         self.num_params, param_bytes = self._count_params()
@@ -99,7 +101,8 @@ class MegatronLearner:
         t is log p(tokens[t] | tokens[:t]) for 1 <= t < lengths[i], 0 at t = 0 and on padding."""
         ctx, padded = self.ctx, pad_batch(batch, self.seq_multiple)
         rows = np.arange(batch.batch_size)
-        mbs = rank_micro_batches(padded, rows, self.learner_cfg.recompute_tokens, ctx.dp, ctx.dp_rank, ctx.device)
+        mbs = rank_micro_batches(padded, rows, self.learner_cfg.recompute_tokens, ctx.dp, ctx.dp_rank, ctx.device,
+                                 lockstep=self.lockstep)
         outs = run_schedule(self.ddp, mbs, forward_only=True, temperature=self.temperature,
                             vocab_size=self.vocab_size, pg=ctx.pg, multiple=self.seq_multiple,
                             head=lambda mb, lp, ent: (lp.sum() * 0.0, {"logp": lp}))
@@ -140,7 +143,7 @@ class MegatronLearner:
                              self.algo_cfg, self.learner_cfg,
                              pg=self.ctx.pg, device=self.ctx.device, temperature=self.temperature,
                              vocab_size=self.vocab_size, beta=beta, pmis=self.pmis, num_params=self.num_params,
-                             prox_version=self.step, minibatch_seed=(self.seed, self.step))
+                             prox_version=self.step, minibatch_seed=(self.seed, self.step), lockstep=self.lockstep)
         self.step += 1
         if self.snapshots is not None:
             self.snapshots.prune(self.step)

@@ -11,6 +11,11 @@ FP8 GEMMs (Transformer Engine) and sequence parallel need the token dimension to
 of an alignment (`sequence_multiple`); `pad_batch` rounds every row's length up to it (padding
 carries loss mask 0 and comes after the row's tokens, so no real token attends to it), so the
 budget counts the padded width too.
+FP8 `delayed` with DP > 1: Transformer Engine reduces the amax history over TP x DP (x CP) at
+every forward (megatron-core's `get_amax_reduction_group`, unless `tp_only_amax_red`), a
+collective every DP rank must enter as often as the others; `dp_lockstep(config)` says so, and
+`rank_micro_batches(..., lockstep=True)` then gives every DP rank the same number of
+micro-batches (the ranks with fewer get placeholders of their shortest row, loss mask 0).
 """
 
 from __future__ import annotations
@@ -128,10 +133,33 @@ def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, li
     return mb
 
 
+def dp_lockstep(config) -> bool:
+    """Whether every DP rank must run as many forwards as the others (a Megatron
+    TransformerConfig): FP8 `delayed` reduces amax over TP x DP at each forward unless
+    `tp_only_amax_red`; a rank with fewer micro-batches would leave the others waiting in it."""
+    return bool(getattr(config, "fp8", None)) and getattr(config, "fp8_recipe", None) == "delayed" \
+        and not getattr(config, "tp_only_amax_red", False)
+
+
+def micro_batch_counts(rows: np.ndarray, lengths: np.ndarray, budget_tokens: int, dp: int) -> list[int]:
+    """Each DP rank's number of micro-batches of `rows` (1 for a rank without rows: its placeholder)."""
+    return [max(1, len(pack_rows(dp_share(rows, lengths, dp, r), lengths, budget_tokens))) for r in range(dp)]
+
+
 def rank_micro_batches(batch: TrainBatch, rows: np.ndarray, budget_tokens: int, dp: int, dp_rank: int,
-                       device: torch.device) -> list[dict]:
-    """This DP rank's micro-batches of the given rows (at least one, possibly a placeholder)."""
+                       device: torch.device, *, lockstep: bool = False) -> list[dict]:
+    """This DP rank's micro-batches of the given rows (at least one, possibly a placeholder).
+    `lockstep` (see `dp_lockstep`): as many as the DP rank with the most, padded with
+    placeholders of this rank's shortest row (every rank computes every rank's count: the
+    arithmetic is the same on all of them)."""
     mine = dp_share(rows, batch.lengths, dp, dp_rank)
     if len(mine) == 0:
-        return [micro_batch(batch, rows[:1], device, live=False)]
-    return [micro_batch(batch, mb, device) for mb in pack_rows(mine, batch.lengths, budget_tokens)]
+        mbs = [micro_batch(batch, rows[:1], device, live=False)]
+        spare = rows[np.argmin(batch.lengths[rows])]
+    else:
+        mbs = [micro_batch(batch, mb, device) for mb in pack_rows(mine, batch.lengths, budget_tokens)]
+        spare = mine[np.argmin(batch.lengths[mine])]
+    if lockstep and dp > 1:
+        want = max(micro_batch_counts(rows, batch.lengths, budget_tokens, dp))
+        mbs += [micro_batch(batch, np.array([spare]), device, live=False) for _ in range(want - len(mbs))]
+    return mbs

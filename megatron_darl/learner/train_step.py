@@ -229,12 +229,13 @@ def reduce_head_metrics(outs: list[dict], pg, device) -> dict[str, float]:
 def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig, lc: LearnerConfig, *,
                pg, device, temperature: float, vocab_size: int, beta: dict[int, float] | None = None,
                pmis: str = "ess", num_params: int = 0, prox_version: int | None = None,
-               minibatch_seed=0) -> dict[str, float]:
+               minibatch_seed=0, lockstep: bool = False) -> dict[str, float]:
     """`ppo_n_minibatches` optimizer steps over `batch`; metrics averaged over the steps, except
     the behavior-weight statistics, which describe the whole batch (computed once). The
     per-version constants (beta_k, N_k, ESS) are computed once on the whole batch; the
     minibatches are a random partition of its groups seeded by `minibatch_seed` (the learner
-    passes `(train.seed, step)`: the same partition on every rank)."""
+    passes `(train.seed, step)`: the same partition on every rank). `lockstep`: every DP rank runs
+    as many micro-batches (`packing.dp_lockstep`: FP8 delayed reduces amax over TP x DP)."""
     if a.uses_proximal and batch.prox_logprobs is None:
         raise ValueError(f"policy_loss={a.policy_loss} old_logprob={a.old_logprob} needs batch.prox_logprobs")
     start = time.perf_counter()
@@ -244,7 +245,7 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig
     batch_metrics = {**weight_diagnostics(a, batch, whole), **batch_metrics}
     for rows in split_minibatches(batch.group_index, a.ppo_n_minibatches, minibatch_seed):
         consts = minibatch_share(whole, batch, rows)
-        mbs = rank_micro_batches(batch, rows, lc.micro_batch_tokens, dp, dp_rank, device)
+        mbs = rank_micro_batches(batch, rows, lc.micro_batch_tokens, dp, dp_rank, device, lockstep=lockstep)
         for chunk in ddp:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()

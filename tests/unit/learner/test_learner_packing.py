@@ -94,3 +94,38 @@ def test_pad_batch_rounds_lengths_and_pads_with_masked_zeros():
     assert pad_batch(b, 1) is b
     for mb in rank_micro_batches(p, np.arange(3), 40, 1, 0, torch.device("cpu")):
         assert mb["tokens"].shape[1] % 16 == 0  # every micro-batch width is aligned
+
+
+def _lockstep_batch():
+    """Rows whose balanced DP shares pack into different micro-batch counts: rank 0 gets the
+    one long row (one micro-batch), rank 1 the three short ones (three at a budget of 4 tokens)."""
+    lengths = (8, 3, 3, 2)
+    return _batch(b=len(lengths), width=8, lengths=lengths)
+
+
+def test_fp8_delayed_with_dp_gives_every_rank_the_same_micro_batch_count():
+    batch, rows, cpu = _lockstep_batch(), np.arange(4), torch.device("cpu")
+    free = [rank_micro_batches(batch, rows, 4, 2, r, cpu) for r in range(2)]
+    assert [len(m) for m in free] == [1, 3]  # the shares differ: what FP8 delayed cannot run
+    locked = [rank_micro_batches(batch, rows, 4, 2, r, cpu, lockstep=True) for r in range(2)]
+    assert [len(m) for m in locked] == [3, 3]
+    # the padding is masked and only repeats a row of that rank's own share; the real rows are unchanged
+    pad = locked[0][-1]
+    assert not pad["live"] and pad["loss_mask"].sum() == 0 and pad["rows"].tolist() == [0]
+    for a, b in zip(free, locked):
+        assert [m["rows"].tolist() for m in a] == [m["rows"].tolist() for m in b[:len(a)]]
+    # a rank without rows gets placeholders up to the others' count too
+    short = [rank_micro_batches(batch, np.array([0]), 4, 2, r, cpu, lockstep=True) for r in range(2)]
+    assert [len(m) for m in short] == [1, 1] and not short[1][0]["live"]
+    assert len(rank_micro_batches(batch, rows, 4, 1, 0, cpu, lockstep=True)) == 4  # dp=1: nothing to match
+
+
+def test_dp_lockstep_follows_the_fp8_recipe_and_tp_only_amax_red():
+    from types import SimpleNamespace as C
+
+    from megatron_darl.learner.packing import dp_lockstep
+
+    assert dp_lockstep(C(fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=False))
+    assert not dp_lockstep(C(fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=True))
+    assert not dp_lockstep(C(fp8="e4m3", fp8_recipe="tensorwise", tp_only_amax_red=False))
+    assert not dp_lockstep(C(fp8=None, fp8_recipe="delayed", tp_only_amax_red=False))
