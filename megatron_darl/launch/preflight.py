@@ -3,7 +3,8 @@
 What it is: `preflight(cfg)`, the list of problems that stop a run before anything starts (each
 naming its key): the model folder and data files exist, the data sources read and fit
 `data.prompt_template`, the built-in model's warm start has reference answers, the run and
-checkpoint folders take files, the model's context leaves room for a prompt beside
+checkpoint folders take files, the learner and the engines load one NCCL for a distributed weight
+sync (`launch/nccl_check.py`), the model's context leaves room for a prompt beside
 `rollout.max_new_tokens` / `eval.max_new_tokens`, the model's shapes fit the parallel layout and
 the learner fits in GPU memory (`learner/checks.py`). `darl-train` and every Slurm trainer task
 run it.
@@ -62,12 +63,13 @@ def _no_room(key: str, new: int, context: int, source: str, most: int) -> str:
 def _machine_checks(cfg: RunConfig) -> list[str]:
     """Data, warm start and run folders, checked before anything starts: the data sources read
     and their records fit `data.prompt_template`, the built-in model's warm start has reference
-    answers, the ring buffer fits in /dev/shm (local runs), and the run and checkpoint folders
-    take files (a probe file, not permission bits)."""
+    answers, the ring buffer fits in /dev/shm (local runs), one NCCL on both ends of a distributed
+    weight sync, and the run and checkpoint folders take files (a probe file, not permission bits)."""
     from megatron_darl.launch import warmstart
+    from megatron_darl.launch.nccl_check import nccl_checks
     from megatron_darl.trainer.checkpoints import writable_problem
 
-    errors = data_checks(cfg.data) + warmstart.check_answers(cfg)
+    errors = data_checks(cfg.data) + warmstart.check_answers(cfg) + nccl_checks(cfg)
     if cfg.launch.mode == "local":  # on Slurm the ring lives on the first trainer node: checked there
         from megatron_darl.channel.shm_space import shm_space_problem
 
