@@ -69,8 +69,9 @@ class SGLangClient:
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 initial_version: int = 0, max_connections: int | None = None):
+                 initial_version: int = 0, max_connections: int | None = None, flush_cache: bool = True):
         self.url = url.rstrip("/")
+        self.flush_cache = flush_cache  # ask for a cache flush with each folder load (`rq.flushes_cache`)
         self.api_key = api_key
         self.timeout_s = timeout_s  # whole call, /generate included: a hung engine surfaces after it
         self.connect_timeout_s = connect_timeout_s
@@ -83,9 +84,11 @@ class SGLangClient:
 
     @classmethod
     def from_config(cls, url: str, cfg: RolloutConfig, initial_version: int = 0) -> "SGLangClient":
-        """A client with the rollout config's key, timeout, retries and connection pool."""
+        """A client with the rollout config's key, timeout, retries, connection pool, and a cache
+        flush with each load only where the pause mode leaves no request holding KV."""
         return cls(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
-                   initial_version=initial_version, max_connections=cfg.max_concurrent_per_engine)
+                   initial_version=initial_version, max_connections=cfg.max_concurrent_per_engine,
+                   flush_cache=rq.flushes_cache(cfg.pause_mode))
 
     # ---- RolloutEngine -----------------------------------------------------------------
     async def agenerate(self, request: GenerateRequest) -> GenerateResponse:
@@ -110,7 +113,8 @@ class SGLangClient:
                 "abegin_weight_update, then aupdate_weights_from_distributed while the learner broadcasts, "
                 "then aend_weight_update")
         route = "/update_weights_from_disk"
-        rq.check_success(route, await self.arequest("POST", route, rq.update_from_disk_body(weights.location, weights.version)))
+        body = rq.update_from_disk_body(weights.location, weights.version, flush_cache=self.flush_cache)
+        rq.check_success(route, await self.arequest("POST", route, body))
 
     async def ahealth(self) -> bool:
         """One try of /health_generate with the connect timeout; any failure means unhealthy."""

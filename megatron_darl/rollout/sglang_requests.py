@@ -71,14 +71,28 @@ def abort_body(rid: str | None, abort_all: bool) -> dict[str, Any]:
     return {"rid": rid or "", "abort_all": abort_all}
 
 
-def update_from_disk_body(model_path: str, version: int, abort_all_requests: bool = False) -> dict[str, Any]:
+def flushes_cache(pause_mode: str) -> bool:
+    """Whether a weight update may ask SGLang to flush its cache (`flush_cache`) under this pause
+    mode. sglang 0.5.23 flushes only when no request holds KV (`Scheduler.flush_cache`:
+    `is_fully_idle(ignore_waiting=<paused>)`), and a refused flush fails the update call itself
+    ("Weights were updated, but the cache was not flushed ..."). `abort` ends every request and
+    `retract` moves the running ones back to the waiting queue without their KV: both flush.
+    `in_place` keeps the running batch and its KV: no flush (the prefix cache keeps older
+    versions' KV, as the kept requests do)."""
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {pause_mode!r}; allowed: {PAUSE_MODES}")
+    return pause_mode != "in_place"
+
+
+def update_from_disk_body(model_path: str, version: int, abort_all_requests: bool = False,
+                          flush_cache: bool = True) -> dict[str, Any]:
     """POST /update_weights_from_disk. SGLang stores `weight_version` as a string and echoes it
     in meta_info.weight_version, so the integer version travels as its decimal string."""
     return {
         "model_path": model_path,
         "weight_version": str(version),
         "abort_all_requests": abort_all_requests,
-        "flush_cache": True,
+        "flush_cache": flush_cache,
     }
 
 

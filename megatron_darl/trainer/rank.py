@@ -174,11 +174,13 @@ def _weight_sender(cfg: RunConfig, info: RunInfo, learner: Any):
     when the learner runs on GPUs, gloo on CPU; rendezvous on the learner's own address."""
     if info.weights_kind != "distributed" or not learner.is_main:
         return None
+    from megatron_darl.rollout.sglang_requests import flushes_cache
     from megatron_darl.trainer.weight_sender import WeightSender
 
     return WeightSender(info.notice, info.master_addr, info.weights_root, learner.hf_folder_info(),
                         backend="nccl" if torch.distributed.get_backend() == "nccl" else "gloo",
-                        timeout_s=cfg.rollout.weight_sync_timeout_s, api_key=cfg.rollout.api_key)
+                        timeout_s=cfg.rollout.weight_sync_timeout_s, api_key=cfg.rollout.api_key,
+                        flush_cache=flushes_cache(cfg.rollout.pause_mode))
 
 
 def main(argv: list[str] | None = None) -> int:

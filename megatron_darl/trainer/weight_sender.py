@@ -10,7 +10,8 @@ inside SGLang's weight-update session, which 0.5.23 requires (it refuses
 /update_weights_from_distributed outside one, before receiving anything): `/begin_weight_update`
 (a session left open by a learner that stopped mid-version is ended first), then per bucket
 `/update_weights_from_distributed` (names, dtypes, shapes, the group; `weight_version` and
-`flush_cache` on the last bucket only) while it broadcasts the bucket's tensors from rank 0, in
+`flush_cache` on the last bucket only, the flush only where the pause mode leaves no request
+holding KV: sglang 0.5.23 fails the update when a flush is refused, `rq.flushes_cache`) while it broadcasts the bucket's tensors from rank 0, in
 that order, one broadcast each (as SGLang receives them without a load_format), then
 `/end_weight_update`, on success and on every failure path. Engines are
 served concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL when the learner runs on GPUs, gloo on CPU; every collective of those
@@ -62,10 +63,12 @@ def _broadcast(group, bucket: Bucket, device: str) -> None:
 
 class WeightSender:
     def __init__(self, notice_path: str, master_address: str, fallback_root: str, folder_info: tuple[dict, list[str]],
-                 backend: str = "gloo", timeout_s: float = 120.0, api_key: str | None = None, poll_s: float = 0.02):
+                 backend: str = "gloo", timeout_s: float = 120.0, api_key: str | None = None, poll_s: float = 0.02,
+                 flush_cache: bool = True):
         self.request_path, self.result_path = transfer_paths(notice_path)
         self.master_address, self.fallback_root, self.folder_info = master_address, fallback_root, folder_info
         self.backend, self.timeout_s, self.api_key, self.poll_s = backend, timeout_s, api_key, poll_s
+        self.flush_cache = flush_cache  # with the last bucket (`rq.flushes_cache(rollout.pause_mode)`)
         self.device = "cuda" if backend == "nccl" else "cpu"
         self._staged: tuple[int, list[Bucket]] | None = None
         self._groups: dict[str, tuple[str, Any]] = {}  # group name -> (engine URL, process group)
@@ -221,7 +224,7 @@ class WeightSender:
         """Post the bucket's description and broadcast its tensors, concurrently (the engine
         receives inside its handler); the first error of either."""
         post = client.aupdate_weights_from_distributed(**describe(bucket), version=version, group_name=name,
-                                                       flush_cache=version is not None)
+                                                       flush_cache=self.flush_cache and version is not None)
         results = await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, self.device),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -138,6 +138,7 @@ def running_standin(model_dir: Path | str, log_dir: Path, startup_s: float = 90.
     once it answers, and always stops it."""
     import sys
 
+    from megatron_darl.launch.engine_host import healthy
     from tests.helpers.sglang_release import require_release
 
     release = require_release()
@@ -149,7 +150,7 @@ def running_standin(model_dir: Path | str, log_dir: Path, startup_s: float = 90.
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
-        while not _healthy(url, None):
+        while not healthy(url, None):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"the stand-in did not start:\n{(Path(log_dir) / 'standin.log').read_text()[-3000:]}")
             time.sleep(0.2)

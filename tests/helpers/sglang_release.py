@@ -22,7 +22,11 @@ another CPU, where pip would find no wheel of that release for the machine itsel
 - `session_rules` — the weight-update session, from the scheduler's
   `srt/managers/scheduler_components/weight_updater.py` parsed with `ast`: which requests are
   refused without a session (a `self._session is None` guard) or with one (`is not None`), with
-  the message of each refusal, and which request opens and which closes it.
+  the message of each refusal, and which request opens and which closes it;
+- `flush_rules` — when a weight update's `flush_cache` is refused, from the same file and the
+  scheduler's `srt/managers/scheduler.py` (`flush_cache`, `pause_generation`) parsed with `ast`:
+  the refusal that fails the update, whether a paused engine's waiting queue is ignored, and the
+  pause modes that leave the running batch (and its KV) in place.
 The download needs the package index: `require_release()` skips the calling test, saying so,
 when the index cannot be reached (an offline machine), unless DARL_REQUIRE_NETWORK=1 (CI), where
 it fails; any other failure (no such release, a broken wheel) is an error, never a skip.
@@ -67,8 +71,10 @@ FILES = (
     "sglang/srt/managers/tokenizer_manager.py",
     "sglang/srt/entrypoints/http_server.py",
     "sglang/srt/managers/scheduler_components/weight_updater.py",
+    "sglang/srt/managers/scheduler.py",
 )
 WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
+SCHEDULER = "sglang/srt/managers/scheduler.py"
 
 
 class ReleaseUnavailable(RuntimeError):
@@ -200,6 +206,10 @@ class Release:
     def session_rules(self) -> SessionRules:
         return parse_session_rules(self.source(WEIGHT_UPDATER))
 
+    @property
+    def flush_rules(self) -> FlushRules:
+        return parse_flush_rules(self.source(WEIGHT_UPDATER), self.source(SCHEDULER))
+
     # ---- http_server.py, read as source --------------------------------------------------
     @property
     def routes(self) -> dict[str, set[str]]:
@@ -283,6 +293,45 @@ def parse_session_rules(source: str) -> SessionRules:
         for what in _session_assignments(fn):
             (rules.opens if what == "opens" else rules.closes).add(fn.name)
     return rules
+
+
+@dataclass
+class FlushRules:
+    """A weight update's cache flush in the release: `refusal` fails the update when requests
+    hold KV; paused, the waiting queue is ignored (`ignores_waiting_when_paused`); the pause
+    modes in `keep_running` leave the running batch as it is, the others empty it."""
+
+    refusal: str
+    ignores_waiting_when_paused: bool
+    keep_running: set[str]
+    others_retract: bool
+
+
+def _function(tree: ast.AST, name: str) -> ast.FunctionDef:
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert len(found) == 1, f"{len(found)} functions named {name}"
+    return found[0]
+
+
+def parse_flush_rules(updater: str, scheduler: str) -> FlushRules:
+    fn = _function(ast.parse(updater), "flush_cache_after_weight_update")
+    refusals = [r.value.elts[1].value for r in ast.walk(fn) if isinstance(r, ast.Return)
+                and isinstance(r.value, ast.Tuple) and isinstance(r.value.elts[0], ast.Constant)
+                and r.value.elts[0].value is False and isinstance(r.value.elts[1], ast.Constant)]
+    assert len(refusals) == 1, "flush_cache_after_weight_update: no literal refusal"
+    tree = ast.parse(scheduler)
+    flush = _function(tree, "flush_cache")
+    ignores = any(isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "is_fully_idle" and any(
+        k.arg == "ignore_waiting" and getattr(k.value, "attr", "") == "_engine_paused" for k in c.keywords)
+        for c in ast.walk(flush))
+    pause, keep = _function(tree, "pause_generation"), set()
+    for n in ast.walk(pause):  # `if recv_req.mode == "<m>": ... return` before the running batch is touched
+        if isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and getattr(n.test.left, "attr", "") == "mode" \
+                and isinstance(n.body[-1], ast.Return) and isinstance(n.test.comparators[0], ast.Constant):
+            keep.add(n.test.comparators[0].value)
+    emptied = any(isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "self.running_batch.reqs"
+                  and ast.unparse(n.value) == "[]" for n in ast.walk(pause))
+    return FlushRules(refusals[0], ignores, keep, emptied)
 
 
 _SCALARS = {"str": str, "int": int, "float": (int, float), "bool": bool, "bytes": bytes}

@@ -15,7 +15,9 @@ session must be open or closed for, and the refusal, 400 with its message); and,
 each bucket loaded as it arrives, so a version stopped half-way leaves a mix that generation
 would use: tokens decoded on it are counted (`mixed_tokens` of each /generate in the log,
 `mixed` on /continue_generation and /end_weight_update, `mixed_steps` in /server_info) for the
-tests to find. Generation reuses the project's `Decoder`. Every call is appended to `--calls`
+tests to find. A weight update's `flush_cache` is refused, failing the update with the release's
+message after the weights changed, while a request holds KV (`Release.flush_rules`: paused with
+`in_place`, the running requests do; `retract` and `abort` leave none). Generation reuses the project's `Decoder`. Every call is appended to `--calls`
 (JSON lines) for the test to inspect.
 Run: `python sglang_standin.py --model DIR --port P --release-root ROOT --calls FILE`.
 What it is not: SGLang (no scheduler, radix cache or tokenizer), or a test.
@@ -71,6 +73,8 @@ class StandIn:
         self.model_path, self.version = model, "default"  # SGLang's weight_version before any update
         self.reqs: dict[str, Req] = {}
         self.paused = False
+        self.pause_mode: str | None = None
+        self.flush_rules = release.flush_rules  # read from the release's scheduler source
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.lock = asyncio.Lock()
@@ -96,6 +100,18 @@ class StandIn:
         out = {"text": "", "output_ids": list(req.output_ids), "meta_info": meta}
         self.rel.api.GenerateResponse.from_json_value(out)
         return out
+
+    def flush_refusal(self, body: dict) -> str | None:
+        """The release's answer to an update's `flush_cache`: refused while a request holds KV
+        (running, unless the pause retracted it; waiting, unless paused)."""
+        rules = self.flush_rules
+        if not body.get("flush_cache", True):
+            return None
+        retracted = self.paused and self.pause_mode not in rules.keep_running and rules.others_retract
+        running = [r for r in self.reqs.values() if r.running and not retracted]
+        waiting = [] if self.paused and rules.ignores_waiting_when_paused else \
+            [r for r in self.reqs.values() if not r.running or retracted]
+        return rules.refusal if running or waiting else None
 
     def finish(self, req: Req, finish: dict, queued_abort: bool = False) -> None:
         self.reqs.pop(req.seq.rid, None)
@@ -185,7 +201,7 @@ class StandIn:
         return web.json_response({"success": True, "message": "Success"})
 
     async def pause_generation(self, body: dict) -> web.Response:
-        self.paused = True
+        self.paused, self.pause_mode = True, body.get("mode", "abort")
         self.resumed.clear()
         async with self.lock:
             if body.get("mode", "abort") == "abort":
@@ -196,7 +212,7 @@ class StandIn:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, body: dict) -> web.Response:
-        self.paused = False
+        self.paused, self.pause_mode = False, None
         self.resumed.set()
         self.wake.set()
         self.log("/continue_generation", 200, body, mixed=self.mixed)
@@ -223,6 +239,10 @@ class StandIn:
                 self.rel.weight_versions.record_weight_version_events(list(self.reqs.values()), old_version=self.version)
                 self.version = body["weight_version"]
             self.model_path = body["model_path"]
+            refusal = self.flush_refusal(body)
+        if refusal is not None:  # the weights changed, the call fails (the release's update_weights_from_disk)
+            self.log("/update_weights_from_disk", 400, body, error=refusal)
+            return web.json_response({"success": False, "message": refusal, "num_paused_requests": 0}, status=400)
         self.log("/update_weights_from_disk", 200, body)
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": len(self.reqs) if self.paused else 0})
@@ -289,7 +309,12 @@ class StandIn:
                 self.log(route, 400, body, error=str(exc))
                 return web.json_response({"success": False, "message": str(exc)}, status=400)
             then(result)
-        self.log(route, 200, {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")})
+            refusal = self.flush_refusal(body) if route == "/update_weights_from_distributed" else None
+        brief = {k: v for k, v in body.items() if k not in ("names", "dtypes", "shapes")}
+        if refusal is not None:  # loaded, then the flush refused: the release fails the call
+            self.log(route, 400, brief, error=refusal)
+            return web.json_response({"success": False, "message": refusal}, status=400)
+        self.log(route, 200, brief)
         return web.json_response({"success": True, "message": ok})
 
     async def server_info(self, request: web.Request) -> web.Response:
