@@ -66,6 +66,10 @@ class LaunchConfig:
     # SGLang's JIT caches (Triton, FlashInfer, inductor, CUDA), one folder per server of a node:
     # <dir>/engine<k>; empty: node-local, $TMPDIR (or /tmp)/darl-sglang-cache-<uid>
     engine_cache_dir: str = ""
+    # rollout.backend=sglang: variables of the engine host's environment an SGLang server keeps
+    # among those it is otherwise started without (engine/command.py SGLANG_DROPPED_ENV:
+    # LD_LIBRARY_PATH, LD_PRELOAD, CUDA_HOME, CUDA_PATH, CUDA_ROOT, PYTHONPATH, PYTHONHOME)
+    engine_env_keep: list[str] = field(default_factory=list)
     stop_timeout_s: float = 300.0  # after SIGTERM, learners must checkpoint and exit within this
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("local", "slurm")}

@@ -2,7 +2,10 @@
 the announcements engines are found by.
 
 What it is: `EngineSpec` (everything needed to start engine i: backend, model, threads or GPUs,
-batch size, seed, API key) with `command(host, port)` and `env()`, built from a run's config by
+batch size, seed, API key) with `command(host, port)`, `env()` (what it adds to its host's
+environment) and `environment()` (its whole environment: an SGLang server's leaves out the
+host's library-path variables, `SGLANG_DROPPED_ENV`, unless `launch.engine_env_keep` names
+them), built from a run's config by
 `engine_specs(cfg, indices, gpus)`; the launcher's engine hosts and the manager's standalone
 restarter both start engines only through it, so a restarted engine gets exactly the flags its
 first start had. `EngineAnnouncement`: the small JSON an engine host writes to
@@ -25,6 +28,14 @@ from typing import Any
 EMBEDDED_MODULE = "megatron_darl.engine"  # darl-engine
 SGLANG_MODULE = "sglang.launch_server"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# An SGLang server runs from its own environment (CUDA 13 wheels, its own torch), started from a
+# host whose environment is the learner's: a site's `module load cuda` (CUDA 12) sets
+# LD_LIBRARY_PATH, which the dynamic loader searches before the wheels' RUNPATH (a libnccl.so.2
+# or libcudart there shadows the wheels'), LD_PRELOAD likewise, CUDA_HOME / CUDA_PATH /
+# CUDA_ROOT point SGLang's JIT compilers (FlashInfer, Triton, DeepGEMM) at that toolkit, and
+# PYTHONPATH / PYTHONHOME put the learner's packages (torch 2.13) before SGLang's.
+SGLANG_DROPPED_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "PYTHONPATH",
+                      "PYTHONHOME")
 
 
 @dataclass
@@ -43,6 +54,7 @@ class EngineSpec:
     extra_args: list[str] = field(default_factory=list)  # more flags for the server (launch.engine_args)
     python: str = sys.executable
     cache_dir: str = ""  # SGLang: this server's own JIT cache folder (node-local), "" for darl-engine
+    keep_env: list[str] = field(default_factory=list)  # SGLang: SGLANG_DROPPED_ENV names kept (launch.engine_env_keep)
 
     def command(self, host: str, port: int) -> list[str]:
         if self.backend == "sglang":
@@ -67,6 +79,18 @@ class EngineSpec:
         if self.cache_dir:
             out.update(sglang_cache_env(self.cache_dir))
         return out
+
+
+    def environment(self, hosts: tuple[str, ...] = (), environ: Any = None) -> dict[str, str]:
+        """The engine's whole environment: its host's (`environ`, default os.environ) plus
+        `env(hosts)`; an SGLang server's without SGLANG_DROPPED_ENV, except the names in
+        `keep_env` (`launch.engine_env_keep`)."""
+        base = dict(os.environ if environ is None else environ)
+        if self.backend == "sglang":
+            for key in SGLANG_DROPPED_ENV:
+                if key not in self.keep_env:
+                    base.pop(key, None)
+        return {**base, **self.env(hosts)}
 
 
 def sglang_cache_env(base: str) -> dict[str, str]:
@@ -101,6 +125,7 @@ def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
                                 seed=cfg.train.seed + index, max_batch=rc.max_concurrent_per_engine,
                                 threads=rc.engine_threads, api_key=rc.api_key, tp=per if mine else 1, gpus=mine,
                                 extra_args=list(cfg.launch.engine_args), python=python,
+                                keep_env=list(cfg.launch.engine_env_keep),
                                 cache_dir=os.path.join(cache, f"engine{k}") if cache else ""))
     return specs
 

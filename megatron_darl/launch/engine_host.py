@@ -164,7 +164,8 @@ class EngineHost:
 
     def _start(self, spec: EngineSpec, generation: int) -> None:
         port = free_port(self.bind)
-        child = self.sup.start(f"engine{spec.index}", spec.command(self.bind, port), env=spec.env((self.bind, self.address)),
+        child = self.sup.start(f"engine{spec.index}", spec.command(self.bind, port),
+                               env=spec.environment((self.bind, self.address)), inherit=False,
                                essential=False, critical=False)
         url = f"http://{self.address}:{port}"
         old = self.engines.get(spec.index)

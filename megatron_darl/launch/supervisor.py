@@ -84,10 +84,12 @@ class Supervisor:
 
     def start(self, role: str, argv: list[str], env: dict[str, str] | None = None,
               essential: bool = True, critical: bool = True, cwd: str | None = None,
-              ignore: tuple[signal.Signals, ...] = ()) -> Child:
-        """Start `argv` as child `role`; `ignore`: signals it starts with ignored (SIG_IGN)."""
+              ignore: tuple[signal.Signals, ...] = (), inherit: bool = True) -> Child:
+        """Start `argv` as child `role`; `ignore`: signals it starts with ignored (SIG_IGN).
+        `env` is added to this process's environment, or with `inherit=False` is the child's
+        whole environment (an SGLang server's, with variables left out: `EngineSpec.environment`)."""
         log_path = os.path.join(self.log_dir, f"{role}.log")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = {**(os.environ if inherit else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=full_env, cwd=cwd, preexec_fn=lambda: _die_with_parent(ignore), text=True, errors="replace",

@@ -97,7 +97,9 @@ class EmbeddedEngineRestarter:
         # the child imports this package from wherever this process did, installed or not
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, **spec.env((self.host,)), "PYTHONPATH": path}
+        env = spec.environment((self.host,))
+        if spec.backend != "sglang":  # darl-engine imports this package; SGLang's environment has its own path
+            env["PYTHONPATH"] = path
         proc = await asyncio.create_subprocess_exec(*spec.command(self.host, port), stdout=out,
                                                     stderr=subprocess.STDOUT, env=env)
         if log_path:
