@@ -7,13 +7,19 @@ interpreter and the key, an environment that cannot serve: sglang missing or ano
 than the client speaks, an NVIDIA driver older than the CUDA its torch is built for (sglang
 0.5.23 is a CUDA 13 stack: torch 2.14.1, flashinfer cu13, cuda-python >= 13, so driver >= 580),
 or a `torch.cuda.init()` that fails. Found here it is one line in the engine host's error; found
-by 8 servers it is 8 tracebacks after the startup timeout.
+by 8 servers it is 8 tracebacks after the startup timeout. `submit_checks(cfg)` runs the same
+probe where a Slurm job is submitted (`launch/slurm.py`), before the queue wait: an SGLang
+recipe whose engines the job starts needs `launch.engine_python` set to an interpreter that
+exists and has the pinned sglang, and where the submitting machine has an NVIDIA driver, it
+must meet the floor of that environment's CUDA (the rollout nodes are probed again at start;
+a machine without a driver says nothing about theirs).
 What it is not: the engine command (`engine/command.py`) or the engine host.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,9 +60,10 @@ def engine_python(cfg) -> str:
     return (cfg.launch.engine_python or own) if cfg.rollout.backend == "sglang" else own
 
 
-def check_sglang_python(python: str, timeout_s: float = 120.0) -> dict:
+def check_sglang_python(python: str, timeout_s: float = 120.0, need_gpus: bool = True) -> dict:
     """Refuse an SGLang environment that cannot serve (see the module docstring); returns what
-    the probe found (versions, driver, devices)."""
+    the probe found (versions, driver, devices). `need_gpus=False` (at submit): the driver is
+    checked only where there is one, and devices not at all."""
     from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
 
     try:
@@ -75,7 +82,7 @@ def check_sglang_python(python: str, timeout_s: float = 120.0) -> dict:
         raise RuntimeError(f"{python!r} has sglang {found.get('sglang')}; the client speaks sglang {SGLANG_VERSION} "
                            f"(requirements-sglang.txt, launch.engine_python)")
     _check_driver(python, found)
-    if "cuda_error" in found:
+    if "cuda_error" in found and need_gpus:
         raise RuntimeError(f"SGLang's environment {python!r} (launch.engine_python) cannot use the GPUs: "
                            f"{found['cuda_error'][-300:]}")
     return found
@@ -92,3 +99,24 @@ def _check_driver(python: str, found: dict) -> None:
             f"the NVIDIA driver runs CUDA up to {have // 1000}.{have % 1000 // 10}, but torch "
             f"{found.get('torch')} in SGLang's environment {python!r} (launch.engine_python) is built for CUDA "
             f"{need}" + (f": sglang {found.get('sglang')} needs driver {floor} or newer" if floor else ""))
+
+
+def submit_checks(cfg, timeout_s: float = 120.0) -> list[str]:
+    """Problems of the SGLang environment found before a Slurm job is submitted (see the module
+    docstring); [] for darl-engine and for servers the run does not start (rollout.engine_urls)."""
+    if cfg.rollout.backend != "sglang" or cfg.rollout.engine_urls:
+        return []
+    python = cfg.launch.engine_python
+    if not python:
+        return ["launch.engine_python is unset: rollout.backend=sglang starts SGLang servers with the Python of "
+                "SGLang's own environment (pip install -r requirements-sglang.txt there; sglang pins another torch "
+                "than megatron-darl); set launch.engine_python=/path/to/sglang-env/bin/python"]
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return [f"launch.engine_python={python}: no such executable file on this machine (the rollout nodes run it "
+                f"from the same path: a shared file system)"]
+    try:
+        check_sglang_python(python, timeout_s, need_gpus=False)
+    except RuntimeError as exc:
+        return [f"launch.engine_python={python}: {exc}" + (" (the NVIDIA driver of this machine, where the job is "
+                                                           "submitted)" if "driver runs CUDA" in str(exc) else "")]
+    return []

@@ -1,6 +1,8 @@
 """`darl-train ... launch.mode=slurm`: the run as one Slurm job, submitted through submitit.
 
-What it is: `run_slurm(cfg)`. It checks the placement against the config, then submits ONE job
+What it is: `run_slurm(cfg)`. It checks the placement against the config and the SGLang
+environment an SGLang recipe names (`engine_env.submit_checks`: `launch.engine_python`, the
+pinned sglang, the driver floor), then submits ONE job
 through a submitit executor whose batch script (`job_script`) is heterogeneous when
 `launch.rollout_nodes > 0`: component 0, the trainer nodes, runs submitit's task (a
 `slurm_job.TrainerTask` per learner rank), component 1, the rollout nodes, runs one engine host
@@ -220,7 +222,9 @@ class _Tail:
 
 def run_slurm(cfg: RunConfig) -> int:
     """Submit the run, follow it, return its exit code (see the module docstring)."""
-    problems = slurm_problems(cfg)
+    from megatron_darl.launch.engine_env import submit_checks
+
+    problems = slurm_problems(cfg) or submit_checks(cfg)  # the SGLang environment before the queue wait
     if problems:
         print("darl-train: cannot place this run on Slurm:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1

@@ -75,3 +75,44 @@ def test_the_real_probe_on_a_machine_without_a_usable_gpu(tmp_path, monkeypatch)
         return
     with pytest.raises(RuntimeError, match=r"cannot use the GPUs: (no NVIDIA driver|torch\.cuda\.init)"):
         check_sglang_python(sys.executable)
+
+
+# ---- the same environment checked where the job is submitted, before the queue wait ------------
+
+def _slurm_sglang(*over: str):
+    return _cfg("launch.mode=slurm", "rollout.backend=sglang", "launch.rollout_nodes=1", "rollout.num_engines=8",
+                "launch.rollout.gpus_per_node=8", *over)
+
+
+def test_submit_refuses_an_sglang_recipe_without_a_usable_engine_python(tmp_path):
+    from megatron_darl.launch.engine_env import submit_checks
+
+    [err] = submit_checks(_slurm_sglang())
+    assert err.startswith("launch.engine_python is unset") and "requirements-sglang.txt" in err
+    missing = os.path.join(str(tmp_path), "sglang-env", "bin", "python")
+    [err] = submit_checks(_slurm_sglang(f"launch.engine_python={missing}"))
+    assert err.startswith(f"launch.engine_python={missing}: no such executable file")
+    [err] = submit_checks(_slurm_sglang(f"launch.engine_python={_fake_python(tmp_path, '0.4.9')}"))
+    assert "launch.engine_python=" in err and f"sglang 0.4.9; the client speaks sglang {SGLANG_VERSION}" in err
+    old_driver = _fake_python(tmp_path, SGLANG_VERSION, driver_cuda=12040)
+    [err] = submit_checks(_slurm_sglang(f"launch.engine_python={old_driver}"))
+    assert "needs driver 580 or newer" in err and "where the job is submitted" in err
+
+
+def test_submit_passes_a_good_environment_on_a_machine_without_gpus_and_skips_what_it_does_not_start(tmp_path):
+    from megatron_darl.launch.engine_env import submit_checks
+
+    login = _fake_python(tmp_path, SGLANG_VERSION, driver_cuda=None, devices=None,
+                         cuda_error="no NVIDIA driver (libcuda.so.1): not found")
+    assert submit_checks(_slurm_sglang(f"launch.engine_python={login}")) == []  # the nodes are probed at start
+    assert submit_checks(_slurm_sglang(f"launch.engine_python={_fake_python(tmp_path, SGLANG_VERSION)}")) == []
+    assert submit_checks(_cfg("launch.mode=slurm", "launch.rollout_nodes=1")) == []  # darl-engine: ours
+    assert submit_checks(_cfg("launch.mode=slurm", "rollout.backend=sglang", "rollout.engine_urls=[http://h:1]")) == []
+
+
+def test_run_slurm_stops_before_submitting(capsys):
+    from megatron_darl.launch.slurm import run_slurm
+
+    assert run_slurm(_slurm_sglang()) == 1
+    err = capsys.readouterr().err
+    assert "cannot place this run on Slurm" in err and "launch.engine_python is unset" in err
