@@ -14,8 +14,11 @@ inside SGLang's weight-update session, which 0.5.23 requires (it refuses
 holding KV: sglang 0.5.23 fails the update when a flush is refused, `rq.flushes_cache`) while it broadcasts the bucket's tensors from rank 0, in
 that order, one broadcast each (as SGLang receives them without a load_format), then
 `/end_weight_update`, on success and on every failure path. Engines are
-served concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL when the learner runs on GPUs, gloo on CPU; every collective of those
-groups fails after `timeout_s`. An engine whose join, post or broadcast fails loses its group
+served concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL
+when the learner runs on GPUs, gloo on CPU; every broadcast is issued asynchronously and waited
+for with a deadline of `timeout_s`, after which the group is aborted; the groups are built
+without NCCL's teardown on error, so an engine that stops or dies mid-broadcast costs the
+learner that engine's version, never its life. An engine whose join, post or broadcast fails loses its group
 (`/destroy_weights_update_group`, best effort) and gets a fallback HF folder of the version,
 written once from the staged tensors (no collective, no re-gather): SGLang loads each bucket as
 it arrives, so an engine that failed half-way must load a whole version before it generates
@@ -42,7 +45,7 @@ import torch.distributed as dist
 
 from megatron_darl.channel.json_files import read_json, write_json_atomic
 from megatron_darl.channel.ports import free_port
-from megatron_darl.channel.process_group import init_custom_group
+from megatron_darl.channel.process_group import abort_group, init_custom_group
 from megatron_darl.channel.weight_transfer import transfer_paths
 from megatron_darl.learner.weights import describe, write_hf_folder
 
@@ -51,12 +54,25 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 
-def _broadcast(group, bucket: Bucket, device: str) -> None:
-    """One broadcast per tensor from rank 0, in order (tensors already on `device`)."""
+def _broadcast(group, bucket: Bucket, device: str, timeout_s: float = 120.0, poll_s: float = 0.005) -> None:
+    """One broadcast per tensor from rank 0, in order (tensors already on `device`), all issued
+    asynchronously, then waited for with one deadline: a broadcast not done after `timeout_s`
+    (an engine stopped or gone mid-receive) aborts the group and raises TimeoutError, and a
+    failed one (a peer that hung up) raises its error, so that the learner lives on and the
+    engine falls back to a folder. The group, built without NCCL's teardown on error
+    (`channel/process_group.py`), never takes the process down with it."""
     if device != "cpu":
         torch.cuda.current_stream().synchronize()  # the bucket's host-to-device copies are done
-    for _, t in bucket:
-        dist.broadcast(t, group=group, group_src=0)
+    works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for _, t in bucket]
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                abort_group(group)
+                raise TimeoutError(f"weight broadcast not done after {timeout_s:.0f}s (rollout.weight_sync_timeout_s): "
+                                   f"the engine stopped receiving; its group is aborted")
+            time.sleep(poll_s)
+        work.wait()  # raises the broadcast's error, if it failed
     if device != "cpu":
         torch.cuda.synchronize()
 
@@ -225,7 +241,7 @@ class WeightSender:
         receives inside its handler); the first error of either."""
         post = client.aupdate_weights_from_distributed(**describe(bucket), version=version, group_name=name,
                                                        flush_cache=self.flush_cache and version is not None)
-        results = await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, self.device),
+        results = await asyncio.gather(post, asyncio.to_thread(_broadcast, group, bucket, self.device, self.timeout_s),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -102,3 +102,38 @@ assert torch.equal(t.cpu(), torch.arange(15.0).reshape(3, 5)), t
     _broadcast(group, [(n, t.cuda()) for n, t in bucket], "cuda")  # as the sender: on the device once
     dist.destroy_process_group(group)
     assert receiver.wait(timeout=120) == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL forbids two ranks on one GPU)")
+def test_an_nccl_receiver_killed_mid_broadcast_leaves_the_sender_alive(tmp_path):
+    """The receiver joins, takes the first tensor, then dies (SIGKILL) before the second: the
+    sender's deadline aborts the group and raises, and this process (the learner) lives on,
+    where torch's default NCCL error handling would tear it down."""
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    receiver = subprocess.Popen([sys.executable, "-c", f"""
+import os, signal, torch, torch.distributed as dist
+from megatron_darl.channel.process_group import init_custom_group
+torch.cuda.set_device(1)
+g = init_custom_group("127.0.0.1", {port}, 2, "darl_weights_lost", rank=1, backend="nccl", timeout_s=30)
+t = torch.empty(1 << 20, device="cuda")
+dist.broadcast(t, group=g, group_src=0)
+torch.cuda.synchronize()
+os.kill(os.getpid(), signal.SIGKILL)
+"""], env=repo_env())
+    from megatron_darl.channel.process_group import init_custom_group
+    from megatron_darl.trainer.weight_sender import _broadcast
+
+    torch.cuda.set_device(0)
+    group = init_custom_group("127.0.0.1", port, 2, "darl_weights_lost", rank=0, backend="nccl", timeout_s=30)
+    _broadcast(group, [("a", torch.ones(1 << 20, device="cuda"))], "cuda", 20.0)
+    assert receiver.wait(timeout=60) == -9
+    t0 = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError)):
+        _broadcast(group, [("b", torch.ones(64 << 20, device="cuda"))], "cuda", 5.0)
+    assert time.monotonic() - t0 < 30.0
+    torch.cuda.synchronize()  # the aborted communicator left no kernel behind
+    assert torch.ones(1, device="cuda").item() == 1.0  # and this process still computes
