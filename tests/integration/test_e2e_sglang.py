@@ -112,3 +112,21 @@ def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_p
     assert {v["version"] for c in generated for v in c["versions"]} >= {"default", "1"}
     fallbacks = [m["rollout/weight_sync_fallbacks"] for m in run.metrics() if "rollout/weight_sync_fallbacks" in m]
     assert fallbacks and max(fallbacks) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_darl_train_with_pause_mode_in_place_asks_for_no_flush(tmp_path, warm_model):
+    """pause_mode=in_place keeps the running requests and their KV through every update, and the
+    release (so the stand-in) fails an update whose flush it must refuse: every version loads,
+    none asks for a flush. Whether a request is held at an update depends on the run's timing
+    here; tests/unit/rollout/test_sglang_flush.py holds one on purpose and sees the refusal."""
+    code, out, served, run = train_against_standin(tmp_path, warm_model, weight_sync="distributed",
+                                                   pause_mode="in_place")
+    assert code == 0, out[-4000:]
+    assert not [c for c in served if c["status"] != 200], [c for c in served if c["status"] != 200][:3]
+    last = [c["body"] for c in served if c["route"] == "/update_weights_from_distributed"
+            and c["body"]["weight_version"] is not None]
+    assert [int(b["weight_version"]) for b in last] == list(range(1, STEPS + 1))
+    assert not any(b["flush_cache"] for b in last)
+    assert any(c["route"] == "/pause_generation" and c["body"]["mode"] == "in_place" for c in served)
