@@ -2,8 +2,6 @@
 world size it does not divide, stops `darl-train` at once, naming the keys and what would work."""
 
 import json
-import sys
-import types
 
 import pytest
 
@@ -17,13 +15,21 @@ DEMO = "configs/cpu_demo_darl.yaml"  # builtin tiny Qwen3: 4 heads, 2 KV heads, 
 
 @pytest.fixture
 def no_run(monkeypatch):
-    """A stand-in train loop that records being started (it must not be)."""
+    """Stand-ins for the two ways `train_main` starts a run (`launch.local.run_local`, this
+    machine; `launch.slurm.run_slurm`, one Slurm job) that record being started (they must not be);
+    `test_no_run_sees_a_start` shows that a start does reach them."""
     started = []
-    fake = types.ModuleType("megatron_darl.trainer.loop")
-    fake.run = lambda cfg: started.append(cfg) or 0
-    monkeypatch.setitem(sys.modules, "megatron_darl.trainer.loop", fake)
-    monkeypatch.setattr("megatron_darl.trainer.loop", fake, raising=False)
+    monkeypatch.setattr("megatron_darl.launch.local.run_local", lambda cfg: started.append(("local", cfg)) or 0)
+    monkeypatch.setattr("megatron_darl.launch.slurm.run_slurm", lambda cfg: started.append(("slurm", cfg)) or 0)
     return started
+
+
+def test_no_run_sees_a_start(no_run):
+    """The control for the two tests below: a layout that fits reaches the (stand-in) start."""
+    assert train_main(["--config", DEMO]) == 0
+    assert [kind for kind, _ in no_run] == ["local"]
+    assert train_main(["--config", DEMO, "launch.mode=slurm"]) == 0
+    assert [kind for kind, _ in no_run] == ["local", "slurm"]
 
 
 def test_tp3_on_the_demo_stops_before_anything_starts(no_run, capsys):
