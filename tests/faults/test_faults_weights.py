@@ -112,8 +112,11 @@ def test_distributed_stages_only_finite_versions_and_writes_no_file(tmp_path, ba
     assert notice.weights.kind == "distributed" and notice.weights.version == 1 and [v for v, _ in sender.staged] == [1]
     assert os.listdir(tmp_path / "weights") == []  # nothing for an engine to read
     learner.poison = {"model.layers.1.mlp.down_proj.weight": bad}
-    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*weight version 2|weight version 2"):
+    with pytest.raises(RuntimeError) as exc:
         pub.publish(2)
+    msg = str(exc.value)  # both halves: the tensor and the version, each required
+    counts = "1 NaN, 0 Inf" if bad != bad else "0 NaN, 1 Inf"
+    assert f"model.layers.1.mlp.down_proj.weight: {counts}" in msg and "weight version 2 " in msg, msg
     assert [v for v, _ in sender.staged] == [1] and read_notice(str(tmp_path / "notice.json")).weights.version == 1
     staged = sender.staged[0][1]
     assert all(torch.isfinite(t.float()).all() for bucket in staged for _, t in bucket)
