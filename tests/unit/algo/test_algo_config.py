@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from megatron_darl.algo.config import AlgoConfig
 
@@ -23,7 +24,7 @@ def test_loads_as_an_omegaconf_structured_config_with_overrides():
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgoConfig), overrides))
     assert isinstance(cfg, AlgoConfig)
     assert (cfg.k, cfg.max_reuse, cfg.sg_tau_abs, cfg.max_head_offpolicyness) == (8, 2, 0.04, 2)
-    with pytest.raises(Exception, match="k"):
+    with pytest.raises(ValidationError, match=r"Value 'four' of type 'str' could not be converted to Integer\s+full_key: k\n"):
         OmegaConf.merge(OmegaConf.structured(AlgoConfig), OmegaConf.from_dotlist(["k=four"]))
 
 
