@@ -3,8 +3,9 @@ bad day would: each test reproduces a probe that did not hold and checks that it
 
 - one request never kills the engine: `sampling_seed` 2**64 (and the old `seed` key), NaN or
   Infinity temperature are refused with a clean 400 naming the field, and the engine serves
-  normally afterwards; a failure while decoding one request fails that request (logged), never
-  the decode loop;
+  normally afterwards; a failure while one request joins the batch fails that request only
+  (logged); a failure inside a decode step fails every request of that step's batch, and only
+  those (logged); neither ends the decode loop;
 - SIGTERM with a request waiting stops the engine promptly (it answers the request 503);
 - a well-formed safetensors full of NaN is refused by /update_weights_from_disk (400,
   success false, old weights kept), and so is every malformed file (empty, header cut off,
@@ -214,7 +215,7 @@ async def _apost(session, url, route, body):
 
 
 @pytest.mark.timeout(120)
-def test_a_failure_decoding_one_request_fails_that_request_only(tmp_path, caplog):
+def test_a_failure_joining_one_request_fails_that_request_only(tmp_path, caplog):
     import aiohttp
 
     save_tiny(tmp_path / "m")
@@ -245,6 +246,51 @@ def test_a_failure_decoding_one_request_fails_that_request_only(tmp_path, caplog
     assert a[0] == b[0] == after[0] == 200 and len(after[1]["output_ids"]) == 5
     assert health == 200
     assert any("poison" in r.getMessage() for r in caplog.records), "the failure is logged, naming the request"
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_the_decode_step_fails_its_batch_only_and_the_engine_goes_on(tmp_path, caplog):
+    """Two rows a batch, three requests queued while paused: the step holding "poison" raises
+    once; the two requests of that step fail (500, named cause), the third runs on the next step."""
+    import aiohttp
+
+    save_tiny(tmp_path / "m")
+    decoder = Decoder(tmp_path / "m", max_batch=2)
+    step, failed_batch = decoder.step, []
+
+    def step_failing():  # a defect inside the batched forward, once
+        if not failed_batch and any(s.rid == "poison" for s in decoder.rows):
+            failed_batch.extend(s.rid for s in decoder.rows)
+            raise ValueError("Overflow when unpacking long long")
+        return step()
+
+    decoder.step = step_failing
+    server = EngineServer(decoder, str(tmp_path / "m"))
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+
+    async def main():
+        async with serving(server) as url, aiohttp.ClientSession() as s:
+            assert (await _apost(s, url, "/pause_generation", {"mode": "in_place"}))[0] == 200
+            sent = [asyncio.create_task(_apost(s, url, "/generate", {**body, "rid": rid})) for rid in ("a", "poison", "b")]
+            while len(server.pending) < 3:
+                await asyncio.sleep(0.01)
+            assert (await _apost(s, url, "/continue_generation", {}))[0] == 200
+            outs = await asyncio.wait_for(asyncio.gather(*sent), 60)
+            after = await asyncio.wait_for(_apost(s, url, "/generate", {**body, "rid": "c"}), 60)
+            async with s.get(url + "/health_generate") as r:
+                health = r.status
+        return dict(zip(("a", "poison", "b"), outs)), after, health
+
+    with caplog.at_level(logging.ERROR, logger="darl-engine"):
+        outs, after, health = asyncio.run(main())
+    assert len(failed_batch) == 2 and "poison" in failed_batch, failed_batch
+    for rid, (status, answer) in outs.items():
+        if rid in failed_batch:
+            assert status == 500 and "decode step failed" in answer["error"] and "Overflow" in answer["error"], (rid, answer)
+        else:  # queued behind the failed step: decoded on the next one
+            assert status == 200 and len(answer["output_ids"]) == 5, (rid, answer)
+    assert after[0] == 200 and len(after[1]["output_ids"]) == 5 and health == 200
+    assert any("decode step failed; failing its 2 request(s)" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.timeout(120)
