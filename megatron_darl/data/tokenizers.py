@@ -125,6 +125,8 @@ def build_demo_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def default_cache_dir() -> Path:
+    """The project's one cache folder, `MEGATRON_DARL_CACHE` or ~/.cache/megatron_darl: the demo
+    tokenizer, and under test_assets/ what the tests download (the SGLang wheel, SmolLM2)."""
     return Path(os.environ.get("MEGATRON_DARL_CACHE", "~/.cache/megatron_darl")).expanduser()
 
 

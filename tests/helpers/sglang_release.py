@@ -1,7 +1,7 @@
 """The pinned SGLang release's own contract, read from its wheel: the tests' source of truth.
 
 What it is: `fetch_release()` downloads `sglang==<pin>` with `pip download --no-deps` into
-~/.cache/megatron-darl/ (once; the wheel is reused afterwards), unpacks the few files the
+~/.cache/megatron_darl/test_assets/ (`MEGATRON_DARL_CACHE` moves it; once, the wheel is reused afterwards), unpacks the few files the
 protocol lives in, and returns a `Release` that exposes them. The wheel is asked for by its
 published tag (`WHEEL_TAG`: CPython 3.11, manylinux_2_34 x86_64), not for the running
 interpreter, because it is only read: the tests run the same on Python 3.10, older glibc or
@@ -48,6 +48,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_darl.data.tokenizers import default_cache_dir
 from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
 
 from tests.helpers.network import needs_network
@@ -57,7 +58,7 @@ from tests.helpers.network import needs_network
 WHEEL_TAG = {"python_version": "3.11", "implementation": "cp", "abi": "cp311",
              "platform": "manylinux_2_34_x86_64"}
 
-CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-darl")
+CACHE = str(default_cache_dir() / "test_assets")  # the project's one cache folder
 FILES = (
     "sglang/api/v1/api_types.py",
     "sglang/srt/sampling/sampling_params.py",

