@@ -31,15 +31,15 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
+import torch
+import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
+from safetensors.torch import load_file, save_file
 
-from megatron_darl.channel.ports import free_port  # noqa: E402
-from megatron_darl.engine.decoder import Decoder  # noqa: E402
-from megatron_darl.engine.server import EngineServer, engine_command  # noqa: E402
-from tests.helpers import REPO, repo_env  # noqa: E402
-from tests.helpers.engines import running_engines, save_tiny, serving  # noqa: E402
+from megatron_darl.channel.ports import free_port
+from megatron_darl.engine.decoder import Decoder
+from megatron_darl.engine.server import EngineServer, engine_command
+from tests.helpers import REPO, repo_env
+from tests.helpers.engines import running_engines, save_tiny, serving
 
 
 def save_nan_copy(src: Path, dst: Path) -> Path:

@@ -32,15 +32,15 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-import aiohttp  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch  # noqa: F401  (a hard dependency: imported, never skipped)
+import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
+import aiohttp
+from safetensors.torch import load_file
 
-from megatron_darl.engine.decoder import Decoder  # noqa: E402
-from megatron_darl.engine.server import EngineServer  # noqa: E402
-from megatron_darl.engine.weight_group import WeightGroupRoutes  # noqa: E402
-from tests.helpers.engines import running_engines, save_tiny, serving  # noqa: E402
+from megatron_darl.engine.decoder import Decoder
+from megatron_darl.engine.server import EngineServer
+from megatron_darl.engine.weight_group import WeightGroupRoutes
+from tests.helpers.engines import running_engines, save_tiny, serving
 
 CONTEXT = 512  # TINY_QWEN3's max_position_embeddings
 

@@ -22,8 +22,8 @@ from megatron_darl.launch.engine_host import DIRECT, host_error_path, probe_path
 from megatron_darl.launch.session import make_run_info
 from tests.helpers import repo_env
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False,

@@ -23,8 +23,8 @@ from megatron_darl.types import WeightVersion, group_trajectories
 from tests.helpers.engines import save_tiny
 from tests.helpers.rollout_fakes import ScriptedPrompts
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: F401  (a hard dependency: imported, never skipped)
+import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 
 class EvenTokens:
     async def ascore(self, episode: Episode) -> list[float]:
