@@ -197,8 +197,8 @@ def answer_batch(tok: Any, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tens
     return ids, labels, attn
 
 
-def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
-    """Share of rows whose greedy decoding is exactly the reference answer then the end token:
+def greedy_correct(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Per row, whether its greedy decoding is exactly the reference answer then the end token:
     the argmax at every answer position, given the reference prefix, is the reference token
     (one forward pass instead of a decode loop; the same answers greedy decoding would give)."""
     import torch
@@ -210,7 +210,12 @@ def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
         pred = model(input_ids=ids, attention_mask=attn).logits[:, :-1].argmax(-1)
     model.train(was_training)
     target = labels[:, 1:]
-    return float(((pred == target) | (target == -100)).all(-1).float().mean())
+    return ((pred == target) | (target == -100)).all(-1)
+
+
+def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
+    """Share of rows `greedy_correct`."""
+    return float(greedy_correct(model, batch).float().mean())
 
 
 def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, held_out: list[Any] | None = None,
