@@ -7,7 +7,8 @@ misleading "did not save its state within 600 s"), and the disk full (the run fa
 fails names the real cause ("not writable", "no space left on device", the rollout manager's own
 error) without waiting out a timeout, and leaves no partial file behind, previous checkpoints
 intact. The read-only folder and the full disk are real (a read-only bind mount and a small
-tmpfs in a private mount namespace: root, as CI runs; skipped with the reason elsewhere).
+tmpfs in a private mount namespace: root, as CI runs; skipped with the reason elsewhere, failed
+where DARL_REQUIRE_MOUNTS=1 and root cannot mount).
 """
 
 from __future__ import annotations
@@ -29,19 +30,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_darl.channel.json_files import write_json_atomic
 from megatron_darl.channel.weight_notice import RolloutStatus, read_notice, write_status
 from megatron_darl.trainer.checkpoints import RunCheckpointer, rollout_sidecar
+from tests.helpers.require import require_mounts
 
 
-def namespaces_refused() -> str | None:
-    """Why this machine cannot make private mounts for these probes, or None."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return "needs root and util-linux unshare to mount a read-only folder and a small tmpfs"
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs", "/mnt"],
-                           capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"mount namespaces refused here: {probe.stderr.strip()}"
+@pytest.fixture
+def mounts_here() -> None:
+    """Root with private mount namespaces (DARL_REQUIRE_MOUNTS=1: required), else a skip."""
+    require_mounts("mounts a read-only folder and a small tmpfs in a private mount namespace")
 
 
-NO_NAMESPACES = namespaces_refused()
-needs_mounts = pytest.mark.skipif(NO_NAMESPACES is not None, reason=str(NO_NAMESPACES))
+needs_mounts = pytest.mark.usefixtures("mounts_here")
 
 
 # ---- the learner's save, with stand-ins for the learner, the replay feed and the manager ----

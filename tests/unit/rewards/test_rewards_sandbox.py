@@ -23,6 +23,7 @@ import pytest
 
 from megatron_darl.rewards.sandbox import SandboxLimits, SandboxRefused, kill_uid, run_sandboxed
 from tests.helpers import REPO
+from tests.helpers.require import SANDBOX, require
 from tests.helpers.sandbox import ROOT, SandboxMode
 
 # a machine that refuses namespaces (a container without CAP_SYS_ADMIN) refuses isolate=True runs
@@ -32,8 +33,8 @@ LIMITS = SandboxLimits(cpu_s=2, wall_s=8, memory_mb=512, max_procs=8, max_file_m
 
 
 def _mode(name: str) -> SandboxMode:
-    if name == "namespaces" and NO_NAMESPACES:
-        pytest.skip("this machine refuses network/mount/PID namespaces, which the sandbox needs")
+    if name == "namespaces" and NO_NAMESPACES:  # DARL_REQUIRE_SANDBOX=1: a failure
+        require(SANDBOX, "this machine refuses network/mount/PID namespaces, which the sandbox needs")
     mode = SandboxMode(name)
     mode.check()  # skips a path this process cannot take, saying which test takes it
     return mode

@@ -18,11 +18,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from megatron_darl.rewards.sandbox import root_path
 from tests.helpers import repo_env
 from tests.helpers.as_user import as_user
+from tests.helpers.require import SANDBOX, needs_root, require, userns_problem
 
 TEST_UID = 1_900_000_000 + os.getpid() % 1_000_000  # a uid of its own, no name, no files
 
@@ -63,9 +62,9 @@ def _probe(prefix: list[str], tmp_path) -> dict:
     return out
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                    reason="drops CAP_SYS_ADMIN from a root process with setpriv (root and util-linux needed)")
 def test_without_namespaces_the_program_does_not_run_and_a_code_run_is_refused(tmp_path):
+    needs_root("drops CAP_SYS_ADMIN from a root process with setpriv")
+    require(SANDBOX, None if shutil.which("setpriv") else "needs util-linux's setpriv to drop CAP_SYS_ADMIN")
     out = _probe(NO_SYS_ADMIN, tmp_path)
     assert not out["ran"], "the program ran without namespaces (the fallback cannot stop a subprocess)"
     assert out["status"] == "refused" and "unshare(net namespace): Operation not permitted" in out["stderr"]
@@ -83,10 +82,8 @@ NO_USERNS = ["unshare", "--user", "--map-root-user", "sh", "-c",
              "sh"]
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
 def test_without_user_namespaces_a_user_is_refused_naming_the_switches(tmp_path):
-    if subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode != 0:
-        pytest.skip("user namespaces are already refused here: the probe needs one to take them away")
+    require(SANDBOX, userns_problem())  # the probe needs a user namespace to take them away
     # as root, the namespaces are made by an unprivileged uid (made by root, their uid 1000 would
     # be the machine's root, which the sandbox refuses for another reason: no process limit binds it)
     out = _probe(as_user(TEST_UID, NO_USERNS) if root_path() else NO_USERNS, tmp_path)

@@ -23,6 +23,7 @@ import pytest
 
 from tests.helpers import REPO, repo_env
 from tests.helpers.as_user import as_user, user_folder
+from tests.helpers.require import SANDBOX, require, userns_problem
 from tests.helpers.sandbox import ROOT
 
 # every test of the user path: those with a userns case, and the pool killing a hung program's worker
@@ -88,10 +89,8 @@ def _as_namespace_root(prefix: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
 def test_root_of_a_user_namespace_takes_the_user_path():
-    if subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode != 0:
-        pytest.skip("this machine refuses user namespaces (test_rewards_sandbox_refusal.py covers it)")
+    require(SANDBOX, userns_problem())  # a machine that refuses them: test_rewards_sandbox_refusal.py
     # as root, the namespace is made by an unprivileged uid: its root is that uid to the kernel
     out = _as_namespace_root(as_user(TEST_UID, []) if ROOT else [])
     assert (out["euid"], out["root_path"]) == (0, False)
