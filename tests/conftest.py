@@ -1,7 +1,9 @@
 """Shared pytest setup: one thread per process (2-core machines), GPU tests skip with a reason,
 and the fixtures more than one folder uses, defined once: `warm_model` (a warm-started tiny model,
 made once per session), `demo_tok` (the demo tokenizer) and `sandbox_runs_here` (the code sandbox
-runs on this machine). Harnesses live in `tests/helpers/`."""
+runs on this machine). Harnesses live in `tests/helpers/`. The expected-skips check
+(`--expected-skips FILE`, tests/helpers/expected_skips.py) is registered here: a pass whose skips
+differ from its list fails."""
 
 import os
 
@@ -10,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at test time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
+
+from tests.helpers.expected_skips import pytest_addoption, pytest_configure  # noqa: E402,F401  (the plugin's hooks)
 
 
 def _has_cuda() -> bool:
