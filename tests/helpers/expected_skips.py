@@ -119,7 +119,7 @@ class ExpectedSkips:
         lines += ["If the difference is intended (a test that now runs, a new skip with its reason), update the list:",
                   f"  edit {self.path} (add the + lines, delete the - lines), or rerun this same command with",
                   f"  --expected-skips-update, which rewrites {self.path} from this run's skips; commit it",
-                  "  (a run on a temporary copy of the checkout, as .ci/restricted_pass nonroot: edit the file by hand)."]
+                  "  (a run on a temporary copy of the checkout, as .ci/restricted_pass nonroot: edit it by hand)."]
         return lines
 
     def _write(self) -> None:

@@ -1,11 +1,12 @@
 """The pinned SGLang release's own contract, read from its wheel: the tests' source of truth.
 
 What it is: `fetch_release()` downloads `sglang==<pin>` with `pip download --no-deps` into
-~/.cache/megatron_darl/test_assets/ (`MEGATRON_DARL_CACHE` moves it; once, the wheel is reused afterwards), unpacks the few files the
-protocol lives in, and returns a `Release` that exposes them. The wheel is asked for by its
-published tag (`WHEEL_TAG`: CPython 3.11, manylinux_2_34 x86_64), not for the running
-interpreter, because it is only read: the tests run the same on Python 3.10, older glibc or
-another CPU, where pip would find no wheel of that release for the machine itself.
+~/.cache/megatron_darl/test_assets/ (`MEGATRON_DARL_CACHE` moves it; once, the wheel is reused
+afterwards), unpacks the few files the protocol lives in, and returns a `Release` that exposes
+them. The wheel is asked for by its published tag (`WHEEL_TAG`: CPython 3.11, manylinux_2_34
+x86_64), not for the running interpreter, because it is only read: the tests run the same on
+Python 3.10, older glibc or another CPU, where pip would find no wheel of that release for the
+machine itself.
 - `api` — `sglang/api/v1/api_types.py`, the release's generated JSON contract of the HTTP API
   (`GenerateRequest.from_json_value` is the 400-gate `/generate` runs first; `GenerateResponse`
   decodes answers), imported as a module (it needs only msgspec);

@@ -61,20 +61,21 @@ def test_the_demo_recipe_learns_at_reduced_size(tmp_path):
         summary = json.load(fh)
     lo, hi = summary["gain_ci95"]
     # The gate is the sampled reward, 80 steps x 256 samples: the last quarter's per-step mean above
-    # the first quarter's by more than 3 standard errors. Greedy accuracy on the 200 evaluation problems
-    # (the only 200 one-digit two-term sums there are, seen in training too) is too noisy to gate on: from the same warm
-    # start (44.0%), four runs of 80 steps gained +0.5, +3.5, +9.0, +14.0 points and four of 40
+    # the first quarter's by more than 3 standard errors. Greedy accuracy on the 200 evaluation draws
+    # (of the only 200 one-digit two-term sums there are, seen in training too) is too noisy to gate
+    # on: from the same warm start (44.0%), four runs of 80 steps gained +0.5, +3.5, +9.0, +14.0 points and four of 40
     # steps +5.0 to +8.0, with paired intervals of about +-9 (7 of the 8 reach below 0). The reward
     # of three of the 80-step runs rose 0.27 -> 0.34, 0.27 -> 0.36 and 0.26 -> 0.36 (the one that
-    # gained +0.5, se 0.011); with optim.lr=0 it went 0.266 -> 0.260 (se 0.006) and this test failed. Held-out accuracy may not fall by 5 points. The line
-    # printed below (`pytest -rP` shows it) gives these figures for a run.
+    # gained +0.5, se 0.011); with optim.lr=0 it went 0.266 -> 0.260 (se 0.006) and this test failed.
+    # Accuracy on the evaluation problems may not fall by 5 points. The line printed below
+    # (`pytest -rP` shows it) gives these figures for a run.
     reward = [m["rollout/reward_mean"] for m in sorted(run.metrics(), key=lambda m: m.get("step", -1))
               if "train/batch_groups" in m and "rollout/reward_mean" in m]
     q = len(reward) // 4
     first, last = reward[:q], reward[-q:]
     before, after = statistics.fmean(first), statistics.fmean(last)
     se = (statistics.variance(first) / q + statistics.variance(last) / q) ** 0.5
-    print(f"warm start {warm['sft_steps']} steps, evaluation problems (not held out) {summary['accuracy_before']:.3f} -> "
+    print(f"warm start {warm['sft_steps']} steps, evaluation (not held out) {summary['accuracy_before']:.3f} -> "
           f"{summary['accuracy_after']:.3f}, gain {summary['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}]; sampled reward "
           f"{before:.3f} -> {after:.3f} (first and last {q} steps, se {se:.3f})")
     assert q >= 10 and after - before > 3 * se, (f"the demo recipe did not learn: sampled reward {before:.3f} -> "

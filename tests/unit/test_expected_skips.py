@@ -99,7 +99,8 @@ def test_update_writes_the_list_keeping_patterns_and_header(folder):
 def test_without_the_option_nothing_is_checked_and_children_do_not_inherit_the_variable(folder):
     done = pytest_run(folder)
     assert done.returncode == 0 and "expected skips" not in done.stdout, done.stdout
-    (folder / "test_child.py").write_text("import os\n\ndef test_child():\n    assert 'DARL_EXPECTED_SKIPS' not in os.environ\n")
+    child = "import os\n\ndef test_child():\n    assert 'DARL_EXPECTED_SKIPS' not in os.environ\n"
+    (folder / "test_child.py").write_text(child)
     done = pytest_run(folder, env=repo_env(DARL_EXPECTED_SKIPS=str(folder / "skips.txt")))
     assert done.returncode == 0 and "2 passed, 2 skipped" in done.stdout, done.stdout  # test_child saw none
 

@@ -24,7 +24,8 @@ def test_loads_as_an_omegaconf_structured_config_with_overrides():
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgoConfig), overrides))
     assert isinstance(cfg, AlgoConfig)
     assert (cfg.k, cfg.max_reuse, cfg.sg_tau_abs, cfg.max_head_offpolicyness) == (8, 2, 0.04, 2)
-    with pytest.raises(ValidationError, match=r"Value 'four' of type 'str' could not be converted to Integer\s+full_key: k\n"):
+    refused = r"Value 'four' of type 'str' could not be converted to Integer\s+full_key: k\n"
+    with pytest.raises(ValidationError, match=refused):
         OmegaConf.merge(OmegaConf.structured(AlgoConfig), OmegaConf.from_dotlist(["k=four"]))
 
 
