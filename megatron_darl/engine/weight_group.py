@@ -8,7 +8,7 @@ rendezvous), built as SGLang's `init_custom_process_group` builds it, never the 
 The weight-update session, as the release's scheduler holds it: `/begin_weight_update`
 (selector) opens it and is refused while one is open, `/end_weight_update` closes it and is
 refused when none is, `/update_weights_from_distributed` is refused outside one, before
-receiving anything; each refusal is the release's message, 400 (`rollout/sglang_requests.py`
+receiving anything; each refusal is the release's message, 400 (`channel/weight_session.py`
 holds the messages; the conformance tests compare them with the wheel). Begin, end and a
 receive run one at a time, as in SGLang's scheduler; the session never times out (as there).
 `/update_weights_from_distributed` (names, dtypes, shapes, group_name, flush_cache,
@@ -40,7 +40,7 @@ from aiohttp import web
 
 from megatron_darl.engine.decoder import IGNORED_SUFFIXES, WeightLoadError
 from megatron_darl.engine.requests import BadRequest, parse_weight_version
-from megatron_darl.rollout import sglang_requests as rq
+from megatron_darl.channel import weight_session as rq
 
 log = logging.getLogger(__name__)
 RECEIVE_TIMEOUT_S = 300.0  # a join or a broadcast the learner never completes fails after this

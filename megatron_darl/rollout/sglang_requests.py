@@ -14,28 +14,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# SGLang 0.5.23's weight-update session (the routes that need one, the release's messages) lives
+# in channel/weight_session.py, shared with darl-engine, which holds the rules; re-exported here
+from megatron_darl.channel.weight_session import (  # noqa: F401
+    NO_SESSION_OPEN, SESSION_ALREADY_OPEN, SESSION_ROUTES, SESSION_SELECTORS, session_required)
 from megatron_darl.types import FINISH_REASONS, GenerateRequest, GenerateResponse, PAUSE_MODES
 
 # The SGLang release this protocol is written and tested against (setup.py's `sglang` extra
 # pins it; tests/sglang_release.py reads that release's own source). See docs/sglang_protocol.md.
 SGLANG_VERSION = "0.5.23"
-
-
-# SGLang 0.5.23's weight-update session (`srt/managers/scheduler_components/weight_updater.py`):
-# these routes are refused (400, success=false, before anything is received) unless a session
-# opened by /begin_weight_update is open; /begin_weight_update is refused while one is open and
-# /end_weight_update while none is. The messages are the release's, verbatim (a TP/DP server
-# joins its ranks' messages with " | ", so match them as substrings).
-# tests/unit/rollout/test_sglang_conformance.py reads all of this back from the wheel.
-SESSION_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
-SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
-NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
-SESSION_SELECTORS = ("target", "draft", "all")
-
-
-def session_required(route: str) -> str:
-    """The release's refusal of a SESSION_ROUTES call made outside a session."""
-    return f"{route.strip('/')} must run between begin_weight_update() and end_weight_update()"
 
 
 class ResponseFormatError(ValueError):
