@@ -51,6 +51,15 @@ def base_config(run_dir: str, model_dir: str, **sections) -> dict:
     return cfg
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child, before exec: SIGINT at its default, as a shell at a terminal leaves it for
+    the command a user types. A suite started in the background by a non-interactive shell
+    (`.ci/run > log &`) inherits SIGINT ignored, and Python keeps a signal its parent ignored
+    ignored (it maps SIGINT to KeyboardInterrupt only when the parent left it at the default): the
+    launcher would never see the Ctrl-C that test_slurm_jobs sends it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def new_run(tmp_path, warm_model: str, name: str = "run", **sections) -> DarlRun:
     """A run folder holding its own copy of the model and its config, so that every process of
     the run (launcher, learners, manager, engines) names the folder on its command line."""
@@ -90,8 +99,8 @@ class DarlRun:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         exe = shutil.which("darl-train")
         argv = [exe] if exe else [sys.executable, "-c", "from megatron_darl.launch.cli import train; train()"]
-        self.proc = subprocess.Popen(argv + ["--config", self.config],
-                                     stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(argv + ["--config", self.config], stdout=self._out, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True, preexec_fn=_sigint_as_at_a_terminal)
         return self
 
     def run_to_end(self, timeout_s: float) -> "DarlRun":
