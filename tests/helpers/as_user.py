@@ -16,6 +16,8 @@ import os
 import sys
 import tempfile
 
+from megatron_darl.rewards.sandbox_launcher import _closed_parent as closed_parent  # the launcher's own check
+
 CLONE_NEWNS, MS_BIND, MS_REC, MS_PRIVATE, MS_MOVE = 0x20000, 4096, 16384, 1 << 18, 8192
 
 
@@ -32,15 +34,6 @@ def user_folder(uid: int, prefix: str) -> str:
     return path
 
 
-def _closed_parent(path: str) -> str | None:
-    parts = path.strip("/").split("/")
-    for depth in range(1, len(parts)):
-        folder = "/" + "/".join(parts[:depth])
-        if not os.stat(folder).st_mode & 0o001:
-            return folder
-    return None
-
-
 def _mount(libc, source, target, fstype, flags, data=None) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
@@ -55,7 +48,7 @@ def _expose_interpreter(libc) -> None:
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     hidden: set[str] = set()
     for prefix in sorted({os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}):
-        closed = _closed_parent(prefix)
+        closed = closed_parent(prefix)
         if closed is None:
             continue
         stage = tempfile.mkdtemp(prefix="darl-as-user-")
