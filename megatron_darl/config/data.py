@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+PARTITIONS = ("none", "hash")
 FORMATS = ("auto", "gsm8k", "math500", "aime24", "livecodebench", "custom")
 SOURCE_KINDS = ("reasoning_gym", "jsonl", "parquet", "humaneval")
 
@@ -66,8 +67,17 @@ class DataConfig:
     # the model's context (max_position_embeddings) less rollout.max_new_tokens, or for the held-out
     # split eval.max_new_tokens (prompt_exceeds_context): the engines would refuse them
     max_prompt_tokens: int = 1024
+    # procedural sources: "hash" splits the task's questions into disjoint train / validation /
+    # test sets by a hash of the question (data/partition.py): training never draws a test or
+    # validation question, the eval split is `eval_size` distinct test questions, the validation
+    # split (the warm start's stop) `val_size` distinct validation questions. "none": the eval
+    # split is another seed's stream of the same task, whose questions may coincide with training's
+    partition: str = "none"
+    test_frac: float = 0.1  # partition=hash: share of the question hash space that is the test split
+    val_frac: float = 0.1  # partition=hash: share that is the validation split
+    val_size: int = 500  # partition=hash: distinct validation questions (the warm start's stop reads them)
 
-    _choices: ClassVar[dict[str, tuple[str, ...]]] = {"format": FORMATS}
+    _choices: ClassVar[dict[str, tuple[str, ...]]] = {"format": FORMATS, "partition": PARTITIONS}
 
     def check(self) -> list[tuple[str, str]]:
         errs: list[tuple[str, str]] = []
@@ -95,10 +105,31 @@ class DataConfig:
             errs.append(("system_prompt", "needs chat_template=true (a raw template has no system role)"))
         if self.chat_kwargs and not self.chat_template:
             errs.append(("chat_kwargs", "needs chat_template=true"))
+        errs.extend(self._check_partition())
         try:
             template_fields(self.prompt_template)
         except ValueError as e:
             errs.append(("prompt_template", str(e)))
+        return errs
+
+    def _check_partition(self) -> list[tuple[str, str]]:
+        if self.partition != "hash":
+            return []
+        errs = []
+        try:
+            if SourceSpec.parse(self.source).kind != "reasoning_gym":
+                errs.append(("partition", "hash partitions a procedural task (data.source: reasoning_gym:<name>); "
+                             "a file source is split by its files (data.eval_source)"))
+        except ValueError:
+            pass  # reported as data.source
+        if self.eval_source is not None:
+            errs.append(("eval_source", "must be unset with partition=hash (the test split is part of data.source)"))
+        if not 0.0 < self.test_frac < 1.0:
+            errs.append(("test_frac", "must be in (0, 1) with partition=hash"))
+        if not 0.0 <= self.val_frac < 1.0 or self.test_frac + self.val_frac > 0.9:
+            errs.append(("val_frac", "must be >= 0 with data.test_frac + data.val_frac <= 0.9 (training keeps the rest)"))
+        if self.val_size < 0:
+            errs.append(("val_size", "must be >= 0 (0: no validation split)"))
         return errs
 
     def missing_files(self) -> list[tuple[str, str]]:

@@ -31,11 +31,18 @@ class TrainConfig:
     batch_prompts: int = 32  # groups per train step (x rollout.group_size sequences)
     seed: int = 1234  # seeds the model's init, sampling and the minibatch partition
     run_dir: str = "runs/default"  # everything a run writes goes under it
+    # the sample budget: the run stops at the first step boundary at which the rollout side has
+    # generated this many samples (written to the ring plus those of groups the equal-reward filter
+    # dropped: `eval.periodic.samples_generated`), evaluating and exporting as at a normal end;
+    # train.steps stays a cap. 0: off (the run stops at train.steps)
+    max_generated_samples: int = 0
 
     def check(self) -> list[tuple[str, str]]:
         errs = []
         if self.steps < 0:
             errs.append(("steps", "must be >= 0"))
+        if self.max_generated_samples < 0:
+            errs.append(("max_generated_samples", "must be >= 0 (0: no sample budget, the run stops at train.steps)"))
         if self.batch_prompts < 1:
             errs.append(("batch_prompts", "must be >= 1"))
         if not self.run_dir:

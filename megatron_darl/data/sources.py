@@ -18,15 +18,25 @@ from megatron_darl.data.api import PromptLoader, PromptSource
 from megatron_darl.data.formatting import ContextLimit, PromptFormatter, check_template
 from megatron_darl.data.procedural import EVAL_SEED_OFFSET
 
-SPLITS = ("train", "eval")
+SPLITS = ("train", "eval")  # the splits a run reads; "validation" (data.partition=hash) is the warm start's
 
 
 def build_source(cfg: DataConfig, split: str = "train") -> PromptSource | None:
     """The source of `split`. Eval without `eval_source`: a procedural source gets a held-out
     stream of `eval_size` entries (seed + EVAL_SEED_OFFSET; for tiny task spaces some questions
-    can coincide with training ones), other sources have no eval set (None)."""
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}; allowed: {SPLITS}")
+    can coincide with training ones), other sources have no eval set (None). With
+    `data.partition: hash` the three splits are disjoint sets of questions (`data/partition.py`):
+    "eval" is the test split, "validation" the warm start's; without it "validation" is None."""
+    if split not in (*SPLITS, "validation"):
+        raise ValueError(f"split {split!r}; allowed: {(*SPLITS, 'validation')}")
+    if cfg.partition == "hash":
+        from megatron_darl.data.partition import partitioned_source
+
+        return partitioned_source(SourceSpec.parse(cfg.source).target, split, size=cfg.size,
+                                  eval_size=cfg.eval_size, val_size=cfg.val_size, seed=cfg.seed,
+                                  dataset_kwargs=cfg.dataset_kwargs, test_frac=cfg.test_frac, val_frac=cfg.val_frac)
+    if split == "validation":
+        return None
     spec_text = cfg.source if split == "train" else cfg.eval_source
     seed, size = cfg.seed, cfg.size
     if split == "eval":
