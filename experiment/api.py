@@ -146,12 +146,25 @@ class Setting:
 
 @dataclass
 class Curve:
-    """Held-out accuracy at each evaluation; index 0 is the warm start (step 0, 0 samples)."""
+    """Held-out accuracy at each evaluation; index 0 is the warm start (step 0, 0 samples).
+    `marks`: the sample mark each evaluation was scheduled for (eval.every_samples; the budget at
+    the last one), empty for step-scheduled runs; `sampled`: avg@k at temperature 1
+    (eval.sampled_k), empty when not measured."""
 
     steps: list[float] = field(default_factory=list)
     samples: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
     accuracy: list[float] = field(default_factory=list)
+    marks: list[float] = field(default_factory=list)
+    sampled: list[float] = field(default_factory=list)
+
+    def scored_on(self, which: str) -> "Curve":
+        """This curve with `accuracy` the greedy figure ("greedy") or the sampled one ("sampled")."""
+        if which == "greedy":
+            return self
+        if which != "sampled" or len(self.sampled) != len(self.accuracy):
+            raise ValueError(f"curve: no {which!r} accuracy at every point (eval.sampled_k unset?)")
+        return Curve(self.steps, self.samples, self.wall_s, list(self.sampled), self.marks, self.sampled)
 
 
 @dataclass

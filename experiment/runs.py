@@ -72,28 +72,30 @@ def command(spec: RunSpec, run_dir: str, config: str, overrides: list[str]) -> l
             "logging.progress=false", *overrides]
 
 
-def finished(run_dir: str, cmd: list[str], steps: int, eval_on: bool) -> bool:
+def finished(run_dir: str, cmd: list[str], steps: int, eval_on: bool, budget: int = 0) -> bool:
     """Whether `run_dir` holds the complete run of exactly `cmd`: same overrides, the learner
-    reached `steps`, the launcher wrote its summary, and (with evaluation on) the final version
-    was evaluated in the loop."""
+    reached `steps` (or, with a sample `budget`, stopped on it or reached `steps`), the launcher
+    wrote its summary, and (with evaluation on) the final version was evaluated in the loop."""
     record = _load(os.path.join(run_dir, RUN_RECORD))
     learner = _load(os.path.join(run_dir, "learner_summary.json"))
     if record is None or record.get("command") != cmd[1:] or learner is None:
         return False
-    if learner.get("final_version") != steps or _load(os.path.join(run_dir, "summary.json")) is None:
+    final = learner.get("final_version")
+    done = final == steps or (budget > 0 and learner.get("stopped_on") == "samples")
+    if not done or _load(os.path.join(run_dir, "summary.json")) is None:
         return False
     if not eval_on:
         return True
     rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    return any(r.get("eval/version") == steps for r in rows)
+    return any(r.get("eval/version") == final for r in rows)
 
 
 def run_or_reuse(spec: RunSpec, out: str, config: str, warm_model: str, overrides: list[str], steps: int,
-                 eval_on: bool, timeout_s: float) -> tuple[str, bool, float]:
+                 eval_on: bool, timeout_s: float, budget: int = 0) -> tuple[str, bool, float]:
     """Run `spec` unless its finished folder exists; returns (run_dir, reused, seconds)."""
     run_dir = os.path.abspath(os.path.join(out, "runs", spec.name))
     cmd = command(spec, run_dir, config, overrides)
-    if finished(run_dir, cmd, steps, eval_on):
+    if finished(run_dir, cmd, steps, eval_on, budget):
         return run_dir, True, 0.0
     shutil.rmtree(run_dir, ignore_errors=True)  # half-finished or other settings: redo from the start
     shutil.copytree(warm_model, os.path.join(run_dir, "model"))
@@ -108,7 +110,7 @@ def run_or_reuse(spec: RunSpec, out: str, config: str, warm_model: str, override
                                 env=child_env()).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    if rc != 0 or not finished(run_dir, cmd, steps, eval_on):
+    if rc != 0 or not finished(run_dir, cmd, steps, eval_on, budget):
         why = f"exit code {rc}" if rc != 0 else "exit code 0 but the run folder is incomplete"
         raise RunFailed(f"{spec.name}: {why}; see {log_path}")
     # CPU seconds of every process of the run (each parent waits for its children): a machine-load
@@ -149,29 +151,42 @@ def drift_diagnostics(rows: list[dict]) -> dict:
             "reused_frac": _mean(r.get("replay/reused_frac") for r in rows)}
 
 
+def read_curve(spec: RunSpec, run_dir: str, summary: dict, rows: list[dict]) -> Curve:
+    """The run's curve. From `evals.jsonl` when the loop evaluated version 0 itself (a
+    sample-scheduled run: every point, step 0 included, from one evaluator, with its sample mark
+    and sampled accuracy); otherwise the launcher's evaluation of the warm start (step 0, 0
+    samples, 0 s) then the loop's evaluations in metrics.jsonl."""
+    ledger = _read_jsonl(os.path.join(run_dir, "evals.jsonl"))
+    points = ledger if ledger and ledger[0].get("eval/version") == 0 else [r for r in rows if "eval/accuracy" in r]
+    curve = Curve()
+    if points is not ledger and "accuracy_before" in summary:
+        curve.steps.append(0.0), curve.samples.append(0.0), curve.wall_s.append(0.0)
+        curve.accuracy.append(float(summary["accuracy_before"]))
+    for r in points:
+        if "eval/samples_generated" not in r:
+            raise RunFailed(f"{spec.name}: the evaluation of version {r['eval/version']:g} has no "
+                            f"eval/samples_generated (the rollout manager had written no status yet)")
+        curve.steps.append(float(r["eval/version"]))
+        curve.samples.append(float(r["eval/samples_generated"]))
+        curve.wall_s.append(float(r["eval/wall_s"]))
+        curve.accuracy.append(float(r["eval/accuracy"]))
+        if points is ledger:
+            curve.marks.append(float(r["eval/sample_mark"]))
+        if "eval/sampled_accuracy" in r:
+            curve.sampled.append(float(r["eval/sampled_accuracy"]))
+    if len(curve.accuracy) < 2:
+        raise RunFailed(f"{spec.name}: {run_dir} has no evaluation during training (eval.every_steps, "
+                        f"eval.every_samples, eval.num_problems) or no evaluation before it")
+    return curve
+
+
 def read_result(spec: RunSpec, run_dir: str) -> RunResult:
-    """The measurements of a finished run. The curve starts at the launcher's evaluation of the
-    warm start (step 0, 0 samples, 0 s); the other points are the loop's own evaluations."""
+    """The measurements of a finished run (its curve: `read_curve`)."""
     summary = _load(os.path.join(run_dir, "summary.json")) or {}
     rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     if not rows:
         raise RunFailed(f"{spec.name}: {run_dir}/metrics.jsonl is empty")
-    curve = Curve()
-    if "accuracy_before" in summary:
-        curve.steps.append(0.0), curve.samples.append(0.0), curve.wall_s.append(0.0)
-        curve.accuracy.append(float(summary["accuracy_before"]))
-    for r in rows:
-        if "eval/accuracy" in r:
-            curve.steps.append(float(r["eval/version"]))
-            if "eval/samples_generated" not in r:
-                raise RunFailed(f"{spec.name}: the evaluation at step {r['step']} has no eval/samples_generated "
-                                f"(the rollout manager had written no status yet)")
-            curve.samples.append(float(r["eval/samples_generated"]))
-            curve.wall_s.append(float(r["eval/wall_s"]))
-            curve.accuracy.append(float(r["eval/accuracy"]))
-    if len(curve.accuracy) < 2:
-        raise RunFailed(f"{spec.name}: {run_dir} has no evaluation during training (eval.every_steps, "
-                        f"eval.num_problems) or no evaluation before it")
+    curve = read_curve(spec, run_dir, summary, rows)
     stale_mean = [v for v in (_finite(r.get("algo/staleness/batch/mean")) for r in rows) if v is not None]
     stale_max = [v for v in (_finite(r.get("algo/staleness/batch/max")) for r in rows) if v is not None]
     ess = [v for v in (_finite(r.get("algo/ess_frac")) for r in rows) if v is not None]

@@ -260,12 +260,14 @@ class RunSession:
                                    f"{self.cfg.launch.stop_timeout_s:.0f} s of the preemption signal; stopped them")
 
     def _completed(self, info: RunInfo) -> bool:
-        """Whether the learners reached train.steps (not stopped early by preemption)."""
+        """Whether the learners reached train.steps or spent the sample budget
+        (train.max_generated_samples), not stopped early by preemption."""
         path = os.path.join(info.run_dir, "learner_summary.json")
         if not os.path.isfile(path):
             return False
         with open(path, encoding="utf-8") as fh:
-            done = json.load(fh)["final_version"] >= self.cfg.train.steps
+            learner = json.load(fh)
+        done = learner["final_version"] >= self.cfg.train.steps or learner.get("stopped_on") == "samples"
         if not done:
             self.log("stopped before train.steps (preempted): resume with checkpoint.resume=auto")
         return done

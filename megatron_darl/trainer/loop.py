@@ -48,11 +48,19 @@ class Trainer:
     wait_alive: Callable[[], None]  # called while waiting for rollouts: raises if the launcher is gone
     preempted: Callable[[], bool]  # the preemption flag, agreed by every rank
     evaluator: PeriodicEvaluator | None = None  # held-out accuracy every eval.every_steps (main rank)
+    # train.max_generated_samples: whether the rollout side has generated the budget, read once a
+    # step and agreed by every rank (`rank.budget_check`); None: no budget
+    budget_spent: Callable[[], bool] | None = None
+    stopped_on: str = "steps"  # why the loop ended: "steps" (train.steps), "samples" (the budget), "preempted"
 
 
 def train_loop(t: Trainer) -> int:
-    """Steps `start_step`..`train.steps`; returns the number of steps done."""
+    """Steps `start_step`..`train.steps`, or fewer when the sample budget is spent (the run then
+    ends as at train.steps: the last version is evaluated and exported, nothing else saved);
+    returns the number of steps done."""
     step, main = t.start_step, t.learner.is_main
+    if t.evaluator is not None and step == 0:
+        t.evaluator.evaluate_start(t.publisher)  # version 0 on the curve (sample-scheduled evaluation)
     while step < t.cfg.train.steps:
         t0 = time.perf_counter()
         cands = t.feed.wait_candidates(step, t.wait_alive) if main else None  # 1. rollouts from the ring
@@ -64,15 +72,17 @@ def train_loop(t: Trainer) -> int:
         pace_s = max(0.0, t.cfg.demo.min_step_s - (time.perf_counter() - t0))  # a slower learner,
         time.sleep(pace_s)  # for staleness experiments
         stop = t.preempted()  # read once a step (a signal after this counts at the next step):
+        spent = not stop and t.budget_spent is not None and t.budget_spent()
         if stop or t.cfg.checkpoint.every_steps and step % t.cfg.checkpoint.every_steps == 0:
             t.checkpointer.save(step)  # 5. the loop stops only after a save
         metrics.update({"perf/step_s": time.perf_counter() - t0, "perf/publish_s": t.publisher.last_publish_s,
                         "perf/pace_s": pace_s, "perf/wait_data_s": t.feed.wait_s if main else 0.0,
                         "train/version": step})
-        if t.evaluator is not None:  # held-out accuracy (eval.every_steps)
-            metrics.update(t.evaluator.maybe_run(step, t.publisher))
+        if t.evaluator is not None:  # held-out accuracy (eval.every_steps / every_samples)
+            metrics.update(t.evaluator.maybe_run(step, t.publisher, final=spent or step >= t.cfg.train.steps))
         t.telemetry.log(step - 1, metrics)  # 6. log
-        if stop:
+        if stop or spent:
+            t.stopped_on = "preempted" if stop else "samples"
             break
     return step - t.start_step
 

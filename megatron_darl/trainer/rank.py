@@ -49,6 +49,7 @@ class TrainerRank:
             try:
                 done = train_loop(self.trainer)
             except Preempted as stop:
+                self.trainer.stopped_on = "preempted"
                 done = self.stop_at(stop.step)
             self.finish(done)
         finally:
@@ -74,8 +75,11 @@ class TrainerRank:
             return
         t.publisher.drain()  # distributed: the last version is sent before the sender stops
         t.publisher.notify(stop=True)
+        from megatron_darl.eval.periodic import samples_generated
+
         summary = {"steps_done": steps_done, "final_version": t.start_step + steps_done,
-                   "tensorboard": t.telemetry.tensorboard_dir}
+                   "tensorboard": t.telemetry.tensorboard_dir, "stopped_on": t.stopped_on,
+                   "samples_generated": samples_generated(t.publisher.rollout_metrics(), t.cfg.rollout.group_size)}
         with open(os.path.join(self.info.run_dir, "learner_summary.json"), "w", encoding="utf-8") as fh:
             json.dump(summary, fh)
 
@@ -128,8 +132,28 @@ def build_trainer(cfg: RunConfig, info: RunInfo) -> TrainerRank:
                      histogram_every=cfg.logging.histogram_every)
     evaluator = build_periodic_evaluator(cfg, learner.is_main)
     wait_alive = _waiting_check(alive, preemption, feed)
-    return TrainerRank(Trainer(cfg, learner, feed, publisher, ckpt, tele, start, wait_alive, preemption, evaluator),
-                       info)
+    return TrainerRank(Trainer(cfg, learner, feed, publisher, ckpt, tele, start, wait_alive, preemption, evaluator,
+                               budget_check(cfg, publisher, learner.is_main)), info)
+
+
+def budget_check(cfg: RunConfig, publisher: Any, is_main: bool):
+    """`train.max_generated_samples` as the loop reads it once a step: on the main rank, whether the
+    rollout manager's latest status (rewritten every second, so at most that old: the stop comes
+    at the first step boundary at which the count it shows reaches the budget) counts that many
+    generated samples; the other ranks take the main rank's answer. None without a budget."""
+    budget = cfg.train.max_generated_samples
+    if budget <= 0:
+        return None
+    from megatron_darl.eval.periodic import samples_generated
+
+    def spent() -> bool:
+        value = None
+        if is_main:
+            n = samples_generated(publisher.rollout_metrics(), cfg.rollout.group_size)
+            value = n is not None and n >= budget
+        return bool(rank_sync().from_main(value)) if world_size() > 1 else bool(value)
+
+    return spent
 
 
 def _main_rank_feed(cfg: RunConfig, info: RunInfo) -> StepFeed:

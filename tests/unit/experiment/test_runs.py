@@ -115,3 +115,38 @@ def test_report_of_the_seeds_size_tables_tests_and_drift(tmp_path):
     md = markdown(rep)
     assert "## eta = 1, lr 5e-05" in md and "## eta = 1, lr 0.0002" in md and "p Holm" in md
     assert "| D-ARL (K = eta + 3) |" in md and "ESS oldest version" in md
+
+
+def _ledger(run_dir: str, points: list[tuple[int, float, float, float]]) -> None:
+    """evals.jsonl of a sample-scheduled run: (version, mark, samples, accuracy) per evaluation."""
+    with open(os.path.join(run_dir, "evals.jsonl"), "w") as fh:
+        for v, mark, samples, acc in points:
+            fh.write(json.dumps({"eval/version": float(v), "eval/sample_mark": mark, "eval/samples_generated": samples,
+                                 "eval/wall_s": 2.0 * v, "eval/accuracy": acc, "eval/sampled_accuracy": acc / 2})
+                     + "\n")
+
+
+def test_a_budget_run_is_finished_when_it_stopped_on_the_budget(tmp_path):
+    run = str(tmp_path / "r")
+    cmd = _write_run(run, steps=4, every=2)
+    with open(os.path.join(run, "learner_summary.json"), "w") as fh:
+        json.dump({"final_version": 4, "stopped_on": "samples"}, fh)
+    assert not finished(run, cmd, steps=100, eval_on=True)  # no budget: 4 of 100 steps is unfinished
+    assert finished(run, cmd, steps=100, eval_on=True, budget=400)
+    with open(os.path.join(run, "learner_summary.json"), "w") as fh:
+        json.dump({"final_version": 4, "stopped_on": "preempted"}, fh)
+    assert not finished(run, cmd, steps=100, eval_on=True, budget=400)
+
+
+def test_the_curve_of_a_sample_scheduled_run_comes_from_its_ledger(tmp_path):
+    run = str(tmp_path / "r")
+    _write_run(run)
+    _ledger(run, [(0, 0.0, 0.0, 0.3), (3, 1000.0, 1010.0, 0.35), (5, 2000.0, 2050.0, 0.4)])
+    r = read_result(SPEC, run)
+    assert r.curve.steps == [0.0, 3.0, 5.0] and r.curve.samples == [0.0, 1010.0, 2050.0]
+    assert r.curve.marks == [0.0, 1000.0, 2000.0] and r.curve.accuracy == [0.3, 0.35, 0.4]  # not summary's 0.2
+    assert r.curve.scored_on("sampled").accuracy == [0.15, 0.175, 0.2]
+    plain = str(tmp_path / "p")
+    _write_run(plain)
+    with pytest.raises(ValueError, match="sampled"):
+        read_result(SPEC, plain).curve.scored_on("sampled")
