@@ -45,6 +45,7 @@ SFT_BATCH = 256
 SFT_LR = 2e-3
 SFT_WARMUP = 20
 SFT_CHECK_EVERY = 5  # steps between held-out checks far from the target
+TEST_CHECKS_LAST = 10  # the warm start's last test-split checks reported beside step 0
 SFT_CHECK_NEAR = 0.10  # within this of the target: check every step (accuracy can jump 5 points in 5 steps)
 
 
@@ -105,7 +106,8 @@ def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:
     key = {"tiny": TINY_QWEN3, "sft_steps": cfg.demo.sft_steps, "seed": cfg.train.seed,
            "batch": SFT_BATCH, "lr": [SFT_LR, "constant", SFT_WARMUP], "tokenizer": tok_dir,
            "target": [cfg.demo.sft_target, SFT_CHECK_EVERY, SFT_CHECK_NEAR, cfg.eval.num_problems,
-                      cfg.data.eval_size, cfg.data.eval_source], "data": {
+                      cfg.data.eval_size, cfg.data.eval_source],
+           "partition": [cfg.data.partition, cfg.data.test_frac, cfg.data.val_frac, cfg.data.val_size], "data": {
                "source": cfg.data.source, "kwargs": dict(cfg.data.dataset_kwargs),
                "template": cfg.data.prompt_template, "chat": cfg.data.chat_template, "seed": cfg.data.seed,
                "file": [stat.st_size, stat.st_mtime_ns] if stat else None}}
@@ -140,7 +142,6 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from megatron_darl.data.sources import build_loader
-    from megatron_darl.eval.heldout import eval_prompts
 
     tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     torch.manual_seed(cfg.train.seed)
@@ -153,11 +154,13 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
     if cfg.demo.sft_steps > 0:
         data = replace(cfg.data, seed=cfg.data.seed + 7919)  # another order than the RL stream
         loader = build_loader(data, tok, "train")
-        held_out = eval_prompts(cfg, tok) if cfg.demo.sft_target > 0 else None
+        held_out, test, stats["sft_selected_on"] = stop_and_test_prompts(cfg, tok)
         if cfg.demo.sft_target > 0 and not held_out:
             log.warning("demo.sft_target=%s: the data has no held-out split, the warm start runs all "
                         "demo.sft_steps=%d steps", cfg.demo.sft_target, cfg.demo.sft_steps)
-        stats.update(supervised_steps(model, tok, loader, cfg.demo.sft_steps, held_out, cfg.demo.sft_target))
+            stats["sft_selected_on"] = "none"
+        stats.update(supervised_steps(model, tok, loader, cfg.demo.sft_steps, held_out, cfg.demo.sft_target,
+                                      test=test))
         if stats.get("sft_reached_target") is False:
             log.warning("warm start: held-out greedy accuracy %.3f after all demo.sft_steps=%d steps, below "
                         "demo.sft_target=%s (raise demo.sft_steps)", stats["sft_heldout_accuracy"],
@@ -172,6 +175,23 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
 
         shutil.rmtree(out)
     os.replace(tmp, out)
+
+
+def stop_and_test_prompts(cfg: RunConfig, tok: Any) -> tuple[list | None, list | None, str]:
+    """(the prompts the target stop reads, the test prompts every check also scores, what the
+    stop selects on: "none", "validation" or "test"). With `data.partition: hash` the stop reads
+    the validation split and the checks also score the test split (the one the curves are scored
+    on), whether or not there is a target; without it a target stop reads the eval split itself,
+    the problems the curves are scored on ("test")."""
+    from megatron_darl.data.sources import build_loader, context_limit
+    from megatron_darl.eval.heldout import eval_prompts
+
+    if cfg.data.partition != "hash":
+        target = cfg.demo.sft_target > 0
+        return (eval_prompts(cfg, tok) if target else None), None, ("test" if target else "none")
+    val = build_loader(cfg.data, tok, "validation", context=context_limit(cfg, "eval"))
+    held_out = val.one_pass(cfg.data.val_size) if val is not None else None
+    return held_out, eval_prompts(cfg, tok), ("validation" if cfg.demo.sft_target > 0 and held_out else "none")
 
 
 def lr_at(step: int, peak: float = SFT_LR) -> float:
@@ -219,20 +239,24 @@ def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
 
 
 def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, held_out: list[Any] | None = None,
-                     target: float = 0.0, batch: int = SFT_BATCH) -> dict[str, float]:
+                     target: float = 0.0, batch: int = SFT_BATCH, test: list[Any] | None = None) -> dict[str, float]:
     """Cross-entropy on answer tokens only (prompt masked), AdamW on the `lr_at` schedule, a
     progress bar. With `held_out` prompts and `target` > 0 it stops at the first step whose
     greedy accuracy on them (`greedy_accuracy`) reaches `target`: checked every SFT_CHECK_EVERY
     steps, and every step once within SFT_CHECK_NEAR of it, so the warm start lands on the target
-    whatever the machine's float rounding made of the path there."""
+    whatever the machine's float rounding made of the path there. With `test` prompts every
+    check also scores them (`sft_test_checks`), never to stop: what step 0 is on the test split,
+    beside the checks before it."""
     import torch
     from tqdm import trange
 
-    checks = answer_batch(tok, held_out) if held_out and target > 0 else None
+    checks = answer_batch(tok, held_out) if held_out and (target > 0 or test) else None
+    test_batch = answer_batch(tok, test) if test else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.0)
     model.train()
     t0, loss_val, acc, done, every = time.time(), float("nan"), float("nan"), 0, SFT_CHECK_EVERY
     history: list[list[float]] = []  # [step, held-out accuracy] of every check
+    test_history: list[list[float]] = []  # [step, test accuracy] of every check
     bar = trange(steps, desc="warm start (SFT)", unit="step", mininterval=1.0)
     for step in bar:
         for group in opt.param_groups:
@@ -247,9 +271,11 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
         if checks is not None and done % every == 0:
             acc = greedy_accuracy(model, checks)
             history.append([done, round(acc, 4)])
-            every = 1 if acc >= target - SFT_CHECK_NEAR else SFT_CHECK_EVERY
+            if test_batch is not None:
+                test_history.append([done, round(greedy_accuracy(model, test_batch), 4)])
+            every = 1 if target > 0 and acc >= target - SFT_CHECK_NEAR else SFT_CHECK_EVERY
             bar.set_postfix(loss=f"{loss_val:.3f}", held_out=f"{acc:.3f}", refresh=False)
-            if acc >= target:
+            if target > 0 and acc >= target:
                 break
         else:
             bar.set_postfix(loss=f"{loss_val:.3f}", refresh=False)
@@ -259,6 +285,8 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
     if checks is not None:
         stats.update(sft_target=target, sft_heldout_accuracy=acc if acc == acc else greedy_accuracy(model, checks),
                      sft_reached_target=bool(acc >= target), sft_checks=history)
+    if test_batch is not None:
+        stats.update(sft_test_checks=test_history, sft_test_accuracy=greedy_accuracy(model, test_batch))
     return stats
 
 
@@ -282,4 +310,16 @@ def read_stats(model_dir: str) -> dict[str, Any]:
         stats = {k: v for k, v in json.load(fh).items() if k != "fingerprint"}
     if stats.get("sft_checks"):
         stats["checks_summary"] = checks_summary(stats["sft_checks"])
+    if stats.get("sft_test_checks"):
+        stats["test_checks_summary"] = test_checks_summary(stats["sft_test_checks"])
     return stats
+
+
+def test_checks_summary(history: list[list[float]], last: int = TEST_CHECKS_LAST) -> dict[str, Any]:
+    """The warm start's last `last` checks on the test split (the curves' split): their mean,
+    standard deviation and range beside the last one (the model RL starts from), so a reader
+    sees whether step 0 is typical of the curve it was taken from or one of its high points."""
+    tail = [a for _, a in history[-last:]]
+    return {"checks": len(history), "last": len(tail), "last_steps": [history[-len(tail)][0], history[-1][0]],
+            "mean": statistics.fmean(tail), "sd": statistics.stdev(tail) if len(tail) > 1 else None,
+            "range": [min(tail), max(tail)], "final": history[-1][1]}
