@@ -27,6 +27,7 @@ CPU_REQUIRES = [
     "pyarrow",  # parquet prompt files
     "tqdm",
     "matplotlib",  # scripts/compare_async.py: PNG plots of the learning curves
+    "scipy",  # experiment/analysis.py, experiment/primary.py: t-tests, t quantiles, bootstrap intervals
 ]
 
 setup(

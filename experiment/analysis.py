@@ -1,6 +1,6 @@
 """Statistics of the comparison: curves across seeds and the figures of each table row.
 
-What it is: plain numpy functions over `RunResult`s: the 95% t-interval of a mean across seeds,
+What it is: numpy and scipy.stats functions over `RunResult`s: the 95% t-interval of a mean across seeds,
 curves resampled onto a shared x grid (mean and min-max band), the normalised area under the
 accuracy-vs-samples curve, samples needed to reach a threshold, collapse detection, and
 `cell_figures` / `eta_figures`, which turn the runs of one staleness into table rows.
@@ -37,19 +37,13 @@ from experiment.api import DECOUPLED, RunResult
 
 COLLAPSE_DROP = 0.10  # accuracy points (as a fraction) below the warm start
 THRESHOLD_FRAC = 0.8  # "samples to reach 80% of the best decoupled accuracy"
-# two-sided 95% Student t quantiles by degrees of freedom, rounded up (Cornish-Fisher beyond 30)
-_T95 = (12.7063, 4.3027, 3.1825, 2.7765, 2.5706, 2.447, 2.3647, 2.3061, 2.2622, 2.2282, 2.201, 2.1789, 2.1604,
-        2.1448, 2.1315, 2.12, 2.1099, 2.101, 2.0931, 2.086, 2.0797, 2.0739, 2.0687, 2.0639, 2.0596, 2.0556, 2.0519,
-        2.0485, 2.0453, 2.0423)
 
 
 def t95(df: int) -> float:
-    if df < 1:
-        return float("nan")
-    if df <= len(_T95):
-        return _T95[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+    """The two-sided 95% quantile of Student's t with `df` degrees of freedom (scipy.stats)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df)) if df >= 1 else float("nan")
 
 
 def mean_interval(values: list[float]) -> tuple[float, float, float]:
@@ -91,24 +85,12 @@ def accuracy_at(x: list[float], y: list[float], budget: float) -> float:
 
 
 def t_pvalue(t: float, df: int) -> float:
-    """Two-sided p-value of Student's t with integer `df` (Abramowitz & Stegun 26.7.3-4)."""
-    if df < 1 or not math.isfinite(t):
-        return float("nan") if df < 1 or math.isnan(t) else 0.0
-    theta = math.atan(abs(t) / math.sqrt(df))
-    c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if df % 2:  # odd: 2/pi (theta + sin cos (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ...)), df - 3 powers
-        term, total = 1.0, 1.0 if df > 1 else 0.0
-        for k in range(1, (df - 1) // 2):
-            term *= c2 * (2 * k) / (2 * k + 1)
-            total += term
-        inside = 2.0 / math.pi * (theta + s * math.cos(theta) * total)
-    else:  # even: sin (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ...), df - 2 powers
-        term, total = 1.0, 1.0
-        for k in range(1, df // 2):
-            term *= c2 * (2 * k - 1) / (2 * k)
-            total += term
-        inside = s * total
-    return max(0.0, 1.0 - inside)
+    """Two-sided p-value of Student's t with `df` degrees of freedom (scipy.stats)."""
+    from scipy import stats
+
+    if df < 1 or math.isnan(t):
+        return float("nan")
+    return float(2.0 * stats.t.sf(abs(t), df))
 
 
 def holm(pvalues: list[float]) -> list[float]:
@@ -122,15 +104,21 @@ def holm(pvalues: list[float]) -> list[float]:
 
 
 def paired_test(a: dict[int, float], b: dict[int, float]) -> dict:
-    """Paired t-test of `a - b` over the seeds both have: mean difference, its 95% interval, p."""
+    """Paired t-test of `a - b` over the seeds both have (scipy.stats.ttest_rel): mean
+    difference, its 95% t-interval, two-sided p (NaN under two seeds; 0 or 1 when every
+    difference is the same: no spread)."""
+    from scipy import stats
+
     seeds = sorted(set(a) & set(b))
     d = np.array([a[s] - b[s] for s in seeds], dtype=np.float64)
     mean, lo, hi = mean_interval(d.tolist())
     if d.size < 2:
         return {"seeds": len(seeds), "diff": mean, "diff_ci95": [lo, hi], "p": float("nan")}
-    sd = float(d.std(ddof=1))
-    t = mean / (sd / math.sqrt(d.size)) if sd > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
-    return {"seeds": len(seeds), "diff": mean, "diff_ci95": [lo, hi], "p": t_pvalue(t, d.size - 1)}
+    if float(d.std(ddof=1)) == 0.0:  # ttest_rel gives NaN without spread: a constant shift
+        p = 1.0 if mean == 0 else 0.0
+    else:
+        p = float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
+    return {"seeds": len(seeds), "diff": mean, "diff_ci95": [lo, hi], "p": p}
 
 
 def band(curves: list[tuple[list[float], list[float]]], points: int = 50) -> dict[str, list[float]]:

@@ -18,6 +18,7 @@ from typing import ClassVar
 POLICY_LOSSES = ("ppo", "decoupled", "darl", "sg_weight")
 PMIS_BETAS = ("ess", "tokens", "balance")
 SG_FILLS = ("fresh", "none")
+REUSE_ORDERS = ("oldest", "freshest")
 BALANCE_SNAPSHOTS = ("exact", "interpolate", "auto")
 
 
@@ -57,6 +58,10 @@ class AlgoConfig:
     k: int = 4
     max_reuse: int | None = None  # times a group may be trained; None: K (see effective_max_reuse)
     warmup: int = 5  # with `sg`: the first `warmup` steps train full batches of never-trained groups (no replay)
+    # FIFO (no `sg`: the replay baselines, D-ARL without selection): which of the reused groups
+    # offered fill the batch's room first: "oldest" version (the order they entered the pool) or
+    # "freshest" (the order the feed offers them, as D-ARL's candidates are capped)
+    reuse_order: str = "oldest"
 
     # ---- variance-guided selection ("sg")
     sg: bool = True  # score = mean of l^2 per group, threshold from the freshest version's groups
@@ -84,6 +89,7 @@ class AlgoConfig:
         "ratio_level": ("token", "sequence"),
         "advantage": ("grpo", "drgrpo", "rloo"),
         "sg_fill": SG_FILLS,
+        "reuse_order": REUSE_ORDERS,
         "pmis_beta": PMIS_BETAS,
         "balance_snapshots": BALANCE_SNAPSHOTS,
     }

@@ -43,13 +43,17 @@ def candidate_batch(cands: Candidates, cfg: AlgoConfig) -> TrainBatch:
     return batch
 
 
-def fifo_order(cands: Candidates) -> np.ndarray:
-    """Candidate positions, never-trained groups first, then reused ones, each in pool order
-    (oldest version first): the baselines' FIFO. A reused group never crowds out a never-trained
-    one (the feed offers the never-trained groups the step must take), and the reused ones are
-    replayed in the order they entered the pool."""
+def fifo_order(cands: Candidates, reuse_order: str = "oldest") -> np.ndarray:
+    """Candidate positions, never-trained groups first, then reused ones: the baselines' FIFO. A
+    reused group never crowds out a never-trained one (the feed offers the never-trained groups
+    the step must take). The reused ones in pool order (`algo.reuse_order=oldest`: oldest version
+    first, the order they entered the pool) or newest version first (`freshest`; ties in pool
+    order)."""
     reuse = cands.reuse
-    return np.concatenate([np.flatnonzero(reuse == 0), np.flatnonzero(reuse > 0)]).astype(np.int64)
+    old = np.flatnonzero(reuse > 0)
+    if reuse_order == "freshest":
+        old = old[np.argsort(-np.asarray(cands.versions)[old], kind="stable")]
+    return np.concatenate([np.flatnonzero(reuse == 0), old]).astype(np.int64)
 
 
 def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int, cfg: AlgoConfig,
@@ -67,7 +71,7 @@ def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int
     reused = torch.as_tensor(cands.reuse) > 0
     warm = step < cfg.effective_warmup
     if not cfg.sg or warm or batch is None or batch.prox_logprobs is None:
-        chosen = torch.as_tensor(fifo_order(cands)[:batch_groups])
+        chosen = torch.as_tensor(fifo_order(cands, cfg.reuse_order)[:batch_groups])
         metrics = algo.selection_metrics(versions, chosen)
         metrics["algo/select/reused_admitted"] = float(reused.sum())
         return chosen.numpy(), metrics

@@ -107,6 +107,16 @@ def test_fifo_takes_never_trained_groups_first_then_reused_oldest_first():
     assert chosen.tolist() == [1, 4, 5, 0, 2] and m["algo/select/reused_admitted"] == 3
 
 
+def test_fifo_freshest_reuse_order_takes_the_newest_reused_groups_first():
+    """`algo.reuse_order=freshest` (the budget size's, for every FIFO replay cell): the reused
+    groups by newest version first, ties in pool order; never-trained ones still come first."""
+    cands = _cands([0, 1, 1, 2, 3, 3])
+    for i in (0, 2, 3):
+        cands.groups[i].reuse = 1
+    chosen, _ = choose_groups(None, cands, 5, AlgoConfig(sg=False, warmup=0, reuse_order="freshest"), step=4)
+    assert chosen.tolist() == [1, 4, 5, 3, 2]
+
+
 def test_reused_admitted_counts_what_selection_admits():
     """The feed plans the next step from `algo/select/reused_admitted`: it must be selection's own
     admission rule (tau for the freshest version, min(tau, tau_abs) for stale ones)."""
