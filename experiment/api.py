@@ -101,12 +101,14 @@ class RunSpec:
     seed: int
     minibatches: int | None = None
     pilot_steps: int | None = None
+    regime: str = ""  # the budget size's regime (its settings come from the size); "" elsewhere
 
     @property
     def name(self) -> str:
         mb = f"_mb{self.minibatches}" if self.minibatches else ""
         pilot = f"pilot{self.pilot_steps}_" if self.pilot_steps else ""
-        return f"{pilot}{self.method}_eta{self.eta}_lr{self.lr:g}{mb}_s{self.seed}"
+        regime = f"{self.regime}_" if self.regime else ""
+        return f"{pilot}{regime}{self.method}_eta{self.eta}_lr{self.lr:g}{mb}_s{self.seed}"
 
     def length(self, steps: int, every: int) -> tuple[int, int]:
         """(train.steps, eval.every_steps) of this run, given the experiment's."""

@@ -1,7 +1,9 @@
 """Which runs the experiment makes: sizes, the learning-rate tuning phase and the main grid.
 
 What it is: `Size` (methods, etas, seeds, steps, the learning-rate grid, the tuning eta and
-seeds, and the run settings every run shares), three sizes: `SIZES["seeds"]` (the comparison in
+seeds, and the run settings every run shares), four sizes: `SIZES["budget"]` (issue 30: the
+sample budget as the stop, two regimes (`Regime`), a disjoint test split, the baseline, three
+replay cells and D-ARL's two ablations, 5 seeds; `budget_steps` estimates its steps), `SIZES["seeds"]` (the comparison in
 the seeds' regime, the script's default: eta = 1, K = 4, several minibatches, 3-term sums,
 60 steps, 4 seeds, two rates as a factor, the higher one from a short pilot: `pilot_specs`,
 `pilot_choice`; under 95 minutes on a quiet 2-core machine), `SIZES["etas"]` (every method
@@ -28,6 +30,16 @@ from experiment.api import ABLATIONS, MAIN_METHODS, METHODS, REPLAY_DEPTH, RunRe
 
 
 @dataclass(frozen=True)
+class Regime:
+    """A regime of the budget size: its staleness bound and the overrides its runs add."""
+
+    name: str
+    eta: int
+    settings: tuple[str, ...]
+    label: str = ""
+
+
+@dataclass(frozen=True)
 class Size:
     name: str
     methods: tuple[str, ...]
@@ -47,6 +59,15 @@ class Size:
     pilot_method: str = "decoupled_areal"
     pilot_clip: float = 0.03  # the pilot's rate: the smallest on which the PPO clip acts on this share of tokens
     warm_range: tuple[float, float] | None = None  # the warm start's accuracy must lie in it (else stop)
+    # the budget size (issue 30): runs stop at `budget` generated samples (steps is only a cap),
+    # evaluated every `every_samples`; every method runs in every regime (its eta replaces etas),
+    # the ablations in `ablation_regimes`; `accuracy_eval` is the curve the figures read
+    budget: int = 0
+    every_samples: int = 0
+    regimes: tuple[Regime, ...] = ()
+    ablation_regimes: tuple[str, ...] = ()
+    baseline: str = "decoupled_areal"
+    accuracy_eval: str = "greedy"  # greedy | sampled (avg@eval.sampled_k at temperature 1)
 
     def grid(self) -> list[Setting]:
         return [Setting(lr, mb) for lr in sorted(self.lr_grid) for mb in (sorted(self.mb_grid) or (None,))]
@@ -62,7 +83,9 @@ class Size:
             errs.append(f"tuning eta {self.tune_eta} is not one of the etas {self.etas}")
         if not set(self.tune_seeds) <= set(self.seeds):
             errs.append(f"tuning seeds {self.tune_seeds} must be among the seeds {self.seeds}")
-        if self.steps < 1 or self.every < 1 or self.steps % self.every:
+        if self.budget:
+            errs += self._check_budget()
+        elif self.steps < 1 or self.every < 1 or self.steps % self.every:
             errs.append(f"steps={self.steps} must be a positive multiple of the evaluation interval {self.every}")
         if not self.lr_grid:
             errs.append("empty learning-rate grid")
@@ -70,6 +93,21 @@ class Size:
             errs.append(f"minibatch grid {self.mb_grid}: each must be >= 1")
         if self.pilot_lrs and (self.pilot_steps < 1 or self.pilot_method not in METHODS or self.tune):
             errs.append("a pilot needs pilot_steps >= 1, a known pilot_method and an untuned grid (tune=False)")
+        return errs
+
+    def _check_budget(self) -> list[str]:
+        errs = []
+        if self.every_samples < 1 or self.budget % self.every_samples:
+            errs.append(f"budget={self.budget} must be a positive multiple of every_samples={self.every_samples}")
+        if not self.regimes or any(r.name not in {x.name for x in self.regimes} for r in self.regimes):
+            errs.append("a budget size needs regimes")
+        unknown = [r for r in self.ablation_regimes if r not in {x.name for x in self.regimes}]
+        if unknown:
+            errs.append(f"ablation_regimes {unknown} are not among the regimes {[r.name for r in self.regimes]}")
+        if self.baseline not in self.methods or "darl" not in self.methods:
+            errs.append(f"the primary tests need the baseline {self.baseline!r} and 'darl' among the methods")
+        if self.accuracy_eval not in ("greedy", "sampled"):
+            errs.append(f"accuracy_eval={self.accuracy_eval!r}: greedy or sampled")
         return errs
 
 
@@ -94,6 +132,25 @@ _SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=
 _SEEDS_REGIME = (*_SETTINGS, "algo.ppo_n_minibatches=4", "data.dataset_kwargs.min_terms=3",
                  "data.dataset_kwargs.max_terms=3", "demo.sft_steps=1200", "demo.sft_target=0.12")
 
+# The sample-budget comparison (issue 30): the demo's 2-term chain_sum (the task on which RL gains
+# +13 to +20 points), questions split by hash into disjoint train / validation / test sets, the
+# warm start stopped on the VALIDATION split, every curve scored on 1000 distinct TEST questions,
+# greedy and avg@4 at temperature 1, every BUDGET_EVERY generated samples; runs stop at BUDGET
+# generated samples (train.steps = 2000 is only a cap), so a cell that replays runs more steps on
+# the same samples. Every replay cell: no warmup (the code's warmup applies only with selection,
+# so 0 is the value every cell can share) and the reused groups offered freshest first (the order
+# the feed offers D-ARL's candidates).
+BUDGET, BUDGET_EVERY = 32768, 4096
+_BUDGET_SETTINGS = ("train.batch_prompts=32", "train.steps=2000", "eval.num_problems=1000", "data.eval_size=1000",
+                    "data.partition=hash", "data.val_size=500", "demo.sft_steps=800", "demo.sft_target=0.25",
+                    f"train.max_generated_samples={BUDGET}", f"eval.every_samples={BUDGET_EVERY}",
+                    "eval.sampled_k=4", "eval.sampled_temperature=1.0", "algo.warmup=0", "algo.reuse_order=freshest")
+# (a) generation-bound: the learner unpaced (demo.min_step_s=0, the issue's "train.min_step_s"),
+# the regime replay is for; (b) staleness-bound: a learner paced to >= 1 s a step at eta = 4, so
+# generation runs eta versions ahead and the behavior-policy mismatch bites
+REGIMES = (Regime("gen", 1, ("demo.min_step_s=0",), "generation-bound: unpaced learner, eta = 1"),
+           Regime("stale", 4, ("demo.min_step_s=1.0",), "staleness-bound: learner paced to >= 1 s a step, eta = 4"))
+
 SIZES: dict[str, Size] = {
     "quick": Size(
         name="quick", methods=("sync", "naive_replay", "decoupled_replay", "darl"), ablations=(), etas=(1,),
@@ -109,7 +166,18 @@ SIZES: dict[str, Size] = {
         etas=(1,), seeds=(0, 1, 2, 3), lr_grid=(1e-4,), tune_eta=1, tune_seeds=(0,), steps=60, every=10,
         settings=_SEEDS_REGIME, tune=False, pilot_lrs=(2e-4, 4e-4, 8e-4), pilot_steps=12,
         warm_range=(0.10, 0.35)),
+    "budget": Size(
+        name="budget", methods=("decoupled_areal", "naive_replay", "decoupled_replay", "darl"),
+        ablations=("darl_nosel", "darl_nopmis"), etas=tuple(sorted({r.eta for r in REGIMES})), seeds=(0, 1, 2, 3, 4),
+        lr_grid=(1e-4,), tune_eta=1, tune_seeds=(0,), steps=2000, every=0, settings=_BUDGET_SETTINGS, tune=False,
+        budget=BUDGET, every_samples=BUDGET_EVERY, regimes=REGIMES, ablation_regimes=("gen",)),
 }
+
+
+def run_overrides(spec: RunSpec, size: Size, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every override of one run: its method's, the size's settings, its regime's, then `extra`."""
+    regime = next((r.settings for r in size.regimes if r.name == spec.regime), ())
+    return [*spec.overrides(size.steps, size.every), *size.settings, *regime, *extra]
 
 
 def with_overrides(size: Size, **changes) -> Size:
@@ -183,6 +251,11 @@ def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
     """Every main method at its best setting, every eta and seed; ablations at the tuning eta
     with the setting of the method they vary."""
     specs: list[RunSpec] = []
+    if size.budget:  # every method in every regime, the ablations in theirs
+        g = size.grid()[0]
+        return [RunSpec(m, r.eta, g.lr, s, g.minibatches, regime=r.name) for r in size.regimes
+                for m in (*size.methods, *(size.ablations if r.name in size.ablation_regimes else ()))
+                for s in size.seeds]
     if not size.tune:  # every method at every setting: the rate is a factor of the design
         return [RunSpec(m, e, g.lr, s, g.minibatches) for g in size.grid() for m in size.methods
                 for e in ([0] if METHODS[m].eta_free else size.etas) for s in size.seeds]
@@ -205,6 +278,27 @@ def estimate_s(specs: list[RunSpec], size: Size, step_s: dict[str, float], eval_
     after, export, teardown)."""
     total = 0.0
     for s in specs:
-        steps, every = s.length(size.steps, size.every)
-        total += overhead_s + steps // every * eval_s + steps * step_s.get(s.method, step_s["*"])
+        if size.budget:
+            steps, evals, per_eval = budget_steps(size, s.method), size.budget // size.every_samples + 2, eval_s * (
+                1 + _setting(size, "eval.sampled_k", 0)) * _setting(size, "eval.num_problems", 500) / 500
+        else:
+            steps, every = s.length(size.steps, size.every)
+            evals, per_eval = steps // every, eval_s
+        total += overhead_s + evals * per_eval + steps * step_s.get(s.method, step_s["*"])
     return total
+
+
+REPLAY_SHARE = 0.5  # share of a replay cell's batch that is reused groups (0.42-0.68 in the `seeds` runs)
+
+
+def budget_steps(size: Size, method: str) -> int:
+    """Expected steps of a budget run: the budget over the samples a step generates (a replay cell
+    generates only the share of its batch it does not replay)."""
+    per_step = _setting(size, "train.batch_prompts", 32) * _setting(size, "rollout.group_size", 8)
+    fresh = 1.0 - REPLAY_SHARE if METHODS[method].depth is not None else 1.0
+    return int(size.budget / (per_step * fresh))
+
+
+def _setting(size: Size, key: str, default: float) -> float:
+    found = [s.split("=", 1)[1] for s in size.settings if s.startswith(key + "=")]
+    return float(found[-1]) if found else default

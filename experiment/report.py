@@ -90,13 +90,13 @@ def build_report(results: list[RunResult], size: Size, best: dict[str, Setting],
 
 
 def _run_json(r: RunResult) -> dict:
-    return {"name": r.spec.name, "method": r.spec.method, "eta": r.spec.eta, "lr": r.spec.lr,
+    return {"name": r.spec.name, "method": r.spec.method, "regime": r.spec.regime, "eta": r.spec.eta, "lr": r.spec.lr,
             "minibatches": r.spec.minibatches, "seed": r.spec.seed, "final_accuracy": r.final_accuracy,
             "staleness_mean": r.staleness_mean, "staleness_max": r.staleness_max, "ess_min": r.ess_min,
             "train_wall_s": r.train_wall_s, "samples_generated": r.samples_generated, "cost": r.run_cost,
             "clip_frac": r.clip_frac, "ess_oldest": r.ess_oldest, "kl_k3": r.kl_k3, "reused_frac": r.reused_frac,
             "curve": {"steps": r.curve.steps, "samples": r.curve.samples, "wall_s": r.curve.wall_s,
-                      "accuracy": r.curve.accuracy}}
+                      "accuracy": r.curve.accuracy, "marks": r.curve.marks, "sampled": r.curve.sampled}}
 
 
 def finite(obj):

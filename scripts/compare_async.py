@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from experiment import plan as P  # noqa: E402
 from experiment.analysis import collapsed  # noqa: E402
 from experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
+from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned  # noqa: E402
 from experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
 from megatron_darl.launch.warmstart import read_stats  # noqa: E402
 
@@ -98,9 +99,9 @@ def _preflight(args, size: P.Size, specs) -> str | None:
     override (a typo in --extra, evaluation switched off) stops the experiment before it starts."""
     from megatron_darl.config import ConfigError, load_config
 
-    for spec in {s.method: s for s in reversed(specs)}.values():
+    for spec in {(s.method, s.regime): s for s in reversed(specs)}.values():
         try:
-            load_config(args.config, [*spec.overrides(size.steps, size.every), *size.settings, *args.extra])
+            load_config(args.config, P.run_overrides(spec, size, args.extra))
         except (ConfigError, ValueError, FileNotFoundError) as exc:
             return f"{spec.name}: {exc}"
     return None
@@ -121,13 +122,13 @@ class Driver:
             if spec.name in self.seen:
                 results.append(self.seen[spec.name])
                 continue
-            over = spec.overrides(self.size.steps, self.size.every) + list(self.size.settings) + list(self.args.extra)
+            over = P.run_overrides(spec, self.size, self.args.extra)
             self.done += 1
             head = f"[{self.done}/{self.total}] {spec.name:34s}"
             try:
                 steps = spec.length(self.size.steps, self.size.every)[0]
                 run_dir, reused, secs = run_or_reuse(spec, self.args.out, self.args.config, self.warm, over,
-                                                     steps, True, self.args.run_timeout)
+                                                     steps, True, self.args.run_timeout, self.size.budget)
                 r = read_result(spec, run_dir)
             except RunFailed as exc:
                 self.failed.append(str(exc))
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_async: {bad}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    plan_doc = write_plan(args.out, size) if size.budget else None  # the design, before any run
     t0 = time.time()
     drv = Driver(args, size, total)
     size, pilot, stop = _pilot(drv, size)
@@ -220,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": runs_wall_s(results),
                    "warm_start": read_stats(drv.warm), "out": os.path.abspath(args.out)})
     text = markdown(report)
+    if size.budget:
+        try:
+            report.update(budget_report(results, size, report["warm_start"], plan_doc))
+        except DesignChanged as exc:
+            print(f"compare_async: {exc}", file=sys.stderr)
+            return 2
+        head, rest = text.split("\n", 1)
+        text = "\n".join([head, "", *budget_markdown(report), rest])
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
         fh.write(text)
     report["plots"] = plot_curves(results, size, args.out) if results else []
@@ -233,7 +243,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not drv.failed else 1
 
 
+def write_plan(out: str, size: P.Size) -> dict:
+    """results.json before the runs: the design and the primary tests' definitions (kept when it
+    already holds them: a rerun continues the same experiment; `budget_report` refuses a
+    changed design)."""
+    path = os.path.join(out, "results.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            old = json.load(fh)
+        if old.get("design"):
+            return {"design": old["design"], "primary": old["primary"]}
+    doc = planned(size)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1)
+    return doc
+
+
 def _plan_line(size: P.Size, pilots, tuning, main_guess, total: int, budget: float) -> str:
+    if size.budget:
+        regimes = ", ".join(f"{r.name} (eta {r.eta}, {' '.join(r.settings)})" for r in size.regimes)
+        return (f"plan ({size.name}): {len(main_guess)} runs: {len(size.methods)} methods x regimes {regimes} x "
+                f"{len(size.seeds)} seeds, and {len(size.ablations)} ablations in {list(size.ablation_regimes)}; "
+                f"each stops at {size.budget} generated samples, evaluated every {size.every_samples}; estimated "
+                f"{budget / 60:.0f} min on a quiet 2-core machine")
     n_abl = len({s.method for s in main_guess if s.method in size.ablations})
     pilot = (f"{len(pilots)} pilot runs ({size.pilot_method}, {size.pilot_steps} steps at rates "
              f"{list(size.pilot_lrs)}; the grid's last rate stands for the pilot's choice), " if pilots else "")

@@ -1,0 +1,112 @@
+"""The budget size's part of results.json and results.md: design, primary tests, diagnostics.
+
+What it is: `planned(size, warm)`, the document written into results.json BEFORE the first run
+(the design and the primary tests' definitions, no numbers); `budget_report(results, size,
+warm, planned_doc)`, the same design and definitions with the figures filled in (refusing a
+design that changed since it was written), the diagnostic comparisons, the same comparisons on
+the sampled curve (avg@4 at temperature 1), the mean staleness of trained tokens per regime
+and cell, and the warm start's last checks on the test split; `budget_markdown(report)`, their
+markdown.
+What it is not: the statistics (`primary.py`) or the per-eta tables and plots (`report.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from experiment.api import METHODS, RunResult
+from experiment.primary import design, diagnostic_tests, primary_definitions, primary_figures
+
+
+class DesignChanged(RuntimeError):
+    """results.json holds a design written before the runs that differs from this invocation's."""
+
+
+def planned(size, warm: dict | None = None) -> dict:
+    """What results.json holds before any run: the design and the primary tests, undecided."""
+    return {"status": "planned", "design": design(size, warm), "primary": primary_definitions(size)}
+
+
+def _comparable(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "warm_start_selected_on"}
+
+
+def budget_report(results: list[RunResult], size, warm: dict | None, planned_doc: dict | None) -> dict:
+    """The decided figures of a finished (or partial) budget experiment."""
+    now = design(size, warm)
+    if planned_doc is not None and _comparable(planned_doc["design"]) != _comparable(now):
+        raise DesignChanged("results.json holds a design written before the runs that differs from this "
+                            "invocation's (other size, seeds or settings): use another --out, or remove it")
+    sampled = [replace(r, curve=r.curve.scored_on("sampled")) for r in results
+               if len(r.curve.sampled) == len(r.curve.accuracy)]
+    sampled_size = replace(size, accuracy_eval="sampled")
+    return {"design": now, "primary": primary_figures(results, size), "diagnostics": diagnostic_tests(results, size),
+            "sampled_primary": primary_figures(sampled, sampled_size) if sampled else [],
+            "staleness": _staleness(results, size), "warm_start_test": (warm or {}).get("test_checks_summary"),
+            "warm_start_test_final": (warm or {}).get("sft_test_accuracy")}
+
+
+def _staleness(results: list[RunResult], size) -> dict:
+    """Mean over seeds of each run's mean staleness of trained sequences, per regime and cell."""
+    out: dict[str, dict[str, float]] = {}
+    for reg in size.regimes:
+        for m in dict.fromkeys(r.spec.method for r in results):
+            vals = [r.staleness_mean for r in results if r.spec.regime == reg.name and r.spec.method == m
+                    and r.staleness_mean is not None]
+            if vals:
+                out.setdefault(reg.name, {})[m] = sum(vals) / len(vals)
+    return out
+
+
+def _fmt(row: dict) -> tuple[str, str, str]:
+    if row.get("difference") is None:
+        return "-", "-", "-"
+    if row["metric"] == "accuracy_at_budget":
+        diff = f"{100 * row['difference']:+.1f} [{100 * row['ci_low']:+.1f}, {100 * row['ci_high']:+.1f}] pts"
+        means = f"{100 * row['mean_a']:.1f} vs {100 * row['mean_b']:.1f}%"
+        return diff, means, "-"
+    diff = f"{row['difference']:+.0f} [{row['ci_low']:+.0f}, {row['ci_high']:+.0f}]"
+    means = f"{row['mean_a']:.0f} vs {row['mean_b']:.0f} (censored {row['censored_a']}/{row['censored_b']})"
+    lo, hi = row["ratio_ci"]
+    ratio = "-" if row["ratio"] is None else (f"{row['ratio']:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""))
+    return diff, means, ratio
+
+
+def _rows(rows: list[dict], holm: bool) -> list[str]:
+    head = "| regime | a | b | metric | a - b [95% CI] | means | ratio a/b [bootstrap 95%] | seeds | p |"
+    out = [head + (" p Holm |" if holm else ""), "|---" * (9 + holm) + "|"]
+    for r in rows:
+        diff, means, ratio = _fmt(r)
+        p = "-" if r.get("p") is None else f"{r['p']:.3f}"
+        line = (f"| {r['regime']} | {METHODS[r['a']].label} | {METHODS[r['b']].label} | {r['metric'].replace('_', ' ')} "
+                f"| {diff} | {means} | {ratio} | {r.get('seeds', 0)} | {p} |")
+        out.append(line + (f" {'-' if r.get('p_holm') is None else format(r['p_holm'], '.3f')} |" if holm else ""))
+    return out
+
+
+def budget_markdown(rep: dict) -> list[str]:
+    """The design, the primary table, the staleness per regime and the diagnostics, as markdown."""
+    d = rep["design"]
+    out = ["## Design (written before the runs)", "",
+           f"Baseline {METHODS[d['baseline']].label}; D-ARL; budget {d['budget_samples']} generated samples, "
+           f"evaluated every {d['eval_every_samples']}; seeds {d['seeds']}; test split disjoint from training and "
+           f"validation: {d['test_split_disjoint']}; warm start selected on: {d['warm_start_selected_on']}; "
+           f"figures read the {d['accuracy']} curve.", ""]
+    out += [f"- {name}: {r['label']} ({', '.join(r['settings'])})" for name, r in d["regimes"].items()] + [""]
+    wt = rep.get("warm_start_test")
+    if wt:
+        out += [f"Warm start on the test split: the model RL starts from scores {100 * wt['final']:.1f}%; its last "
+                f"{wt['last']} checks (steps {wt['last_steps'][0]}-{wt['last_steps'][1]}) average "
+                f"{100 * wt['mean']:.1f}% (SD {100 * (wt['sd'] or 0):.1f}, range {100 * wt['range'][0]:.1f}-"
+                f"{100 * wt['range'][1]:.1f}%).", ""]
+    out += ["## Primary tests (D-ARL against the baseline; Holm over these only)", "", *_rows(rep["primary"], True), ""]
+    if rep["staleness"]:
+        out += ["Mean staleness of trained sequences (versions), per regime: " + "; ".join(
+            f"{reg}: " + ", ".join(f"{METHODS[m].label} {v:.2f}" for m, v in cells.items())
+            for reg, cells in rep["staleness"].items()), ""]
+    if rep["sampled_primary"]:
+        out += ["The same tests on avg@4 at temperature 1 (a diagnostic):", "", *_rows(rep["sampled_primary"], True), ""]
+    if rep["diagnostics"]:
+        out += ["## Diagnostics (each other cell against the baseline and D-ARL; p not corrected)", "",
+                *_rows(rep["diagnostics"], False), ""]
+    return out
