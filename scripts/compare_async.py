@@ -10,7 +10,15 @@ verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay
   of tokens); the warm start must lie in 10-35% or it stops before the main runs;
 - `etas`: every method tuned on one grid at one eta, then run at eta = 1, 2, 4, 8, and D-ARL's
   ablations;
-- `quick`: CI, a few minutes.
+- `quick`: CI, a few minutes;
+- `budget` (issue 30): the sample budget as the stop. 2-term chain_sum split by question hash
+  into disjoint train / validation / test sets, the warm start stopped on validation, curves on
+  1000 test questions (greedy, and avg@4 at temperature 1) every 4096 generated samples; every
+  run stops at 32768 generated samples; a generation-bound regime (`gen`: unpaced learner, eta 1)
+  and a staleness-bound one (`stale`: learner paced to >= 1 s a step, eta 4); the baseline
+  (decoupled, no replay), naive + replay, decoupled + replay, D-ARL, and D-ARL without selection
+  and without P-MIS (in `gen`); 5 seeds. results.json holds the design and the primary tests'
+  definitions before the first run (`experiment/report_budget.py`), their figures after.
 Each run evaluates held-out accuracy inside its loop every `eval.every_steps` steps, so it yields
 a curve against steps, generated samples and wall-clock. Writes into `--out` (and, with
 `--publish DIR`, copies into DIR): `results.md` (a table per eta, or per eta and rate: accuracy at
@@ -26,6 +34,7 @@ measures, whichever method wins.
     python scripts/compare_async.py --quick --out /tmp/cmp        # CI: a few minutes
     python scripts/compare_async.py --out runs/compare --publish docs/results   # the comparison (< 95 min, 2 cores)
     python scripts/compare_async.py --plan                        # runs and time budget, then exit
+    python scripts/compare_async.py --size budget --out runs/budget --publish docs/results   # issue 30
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", help="main methods (default: the size's)")
     p.add_argument("--ablations", nargs="*", help="D-ARL ablations, at the tuning eta (default: the size's)")
     p.add_argument("--etas", nargs="+", type=int)
+    p.add_argument("--regimes", nargs="+", help="budget size: the regimes to run (default: all)")
     p.add_argument("--seeds", nargs="+", type=int)
     p.add_argument("--lr-grid", nargs="+", type=float, dest="lr_grid", help="learning rates tuned per method")
     p.add_argument("--mb-grid", nargs="+", type=int, dest="mb_grid",
@@ -87,6 +97,9 @@ def _size(args) -> P.Size:
     size = P.with_overrides(P.SIZES[args.size], methods=args.methods, ablations=args.ablations, etas=args.etas,
                             seeds=args.seeds, lr_grid=args.lr_grid, mb_grid=args.mb_grid, tune_eta=args.tune_eta,
                             tune_seeds=args.tune_seeds, steps=args.steps, every=args.every)
+    if args.regimes:
+        size = P.with_overrides(size, regimes=tuple(r for r in size.regimes if r.name in args.regimes),
+                                ablation_regimes=tuple(r for r in size.ablation_regimes if r in args.regimes))
     if args.tune_eta is None and size.tune_eta not in size.etas:
         size = P.with_overrides(size, tune_eta=size.etas[0])
     if args.tune_seeds is None and not set(size.tune_seeds) <= set(size.seeds):
