@@ -234,15 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     # wall times summed, which a rerun keeps
     report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": runs_wall_s(results),
                    "warm_start": read_stats(drv.warm), "out": os.path.abspath(args.out)})
-    text = markdown(report)
-    if size.budget:
-        try:
-            report.update(budget_report(results, size, report["warm_start"], plan_doc))
-        except DesignChanged as exc:
-            print(f"compare_async: {exc}", file=sys.stderr)
-            return 2
-        head, rest = text.split("\n", 1)
-        text = "\n".join([head, "", *budget_markdown(report), rest])
+    try:
+        text = _text(report, results, size, plan_doc)
+    except DesignChanged as exc:
+        print(f"compare_async: {exc}", file=sys.stderr)
+        return 2
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as fh:
         fh.write(text)
     report["plots"] = plot_curves(results, size, args.out) if results else []
@@ -254,6 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     print(json.dumps(report, allow_nan=False))
     return 0 if not drv.failed else 1
+
+
+def _text(report: dict, results: list, size: P.Size, plan_doc: dict | None) -> str:
+    """results.md; a budget size's design, primary tests and diagnostics go first (and into
+    `report`). DesignChanged when they differ from the design written before the runs."""
+    text = markdown(report)
+    if not size.budget:
+        return text
+    report.update(budget_report(results, size, report["warm_start"], plan_doc))
+    head, rest = text.split("\n", 1)
+    return "\n".join([head, "", *budget_markdown(report), rest])
 
 
 def write_plan(out: str, size: P.Size) -> dict:
