@@ -68,6 +68,7 @@ class Size:
     ablation_regimes: tuple[str, ...] = ()
     baseline: str = "decoupled_areal"
     accuracy_eval: str = "greedy"  # greedy | sampled (avg@eval.sampled_k at temperature 1)
+    gain_gate: float = 0.0  # the baseline runs first; below this mean gain in any regime, stop before the rest
 
     def grid(self) -> list[Setting]:
         return [Setting(lr, mb) for lr in sorted(self.lr_grid) for mb in (sorted(self.mb_grid) or (None,))]
@@ -170,7 +171,7 @@ SIZES: dict[str, Size] = {
         name="budget", methods=("decoupled_areal", "naive_replay", "decoupled_replay", "darl"),
         ablations=("darl_nosel", "darl_nopmis"), etas=tuple(sorted({r.eta for r in REGIMES})), seeds=(0, 1, 2, 3, 4),
         lr_grid=(1e-4,), tune_eta=1, tune_seeds=(0,), steps=2000, every=0, settings=_BUDGET_SETTINGS, tune=False,
-        budget=BUDGET, every_samples=BUDGET_EVERY, regimes=REGIMES, ablation_regimes=("gen",)),
+        budget=BUDGET, every_samples=BUDGET_EVERY, regimes=REGIMES, ablation_regimes=("gen",), gain_gate=0.08),
 }
 
 

@@ -137,6 +137,17 @@ def ratio_interval(a: dict[int, float], b: dict[int, float]) -> dict:
     return {"ratio": ratio, "ratio_ci": [lo if math.isfinite(lo) else None, hi if math.isfinite(hi) else None]}
 
 
+def baseline_gains(runs: list[RunResult], size) -> dict[str, float]:
+    """Per regime, the baseline's mean over seeds of accuracy at the budget minus step 0: the
+    testbed has RL signal where this reaches `size.gain_gate` (issue 30: +8 points)."""
+    out = {}
+    for reg in size.regimes:
+        base = _per_seed(runs, size.baseline, reg.name, size)
+        if base:
+            out[reg.name] = float(np.mean([accuracy_at_budget(c, size.budget) - c.accuracy[0] for c in base.values()]))
+    return out
+
+
 def primary_figures(runs: list[RunResult], size) -> list[dict]:
     """`primary_definitions` filled in from the runs, Holm-corrected over these tests only."""
     out = [compare(runs, size, d["regime"], d["a"], d["b"], d["metric"]) for d in primary_definitions(size)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from experiment.api import METHODS, RunResult
-from experiment.primary import design, diagnostic_tests, primary_definitions, primary_figures
+from experiment.primary import baseline_gains, design, diagnostic_tests, primary_definitions, primary_figures
 
 
 class DesignChanged(RuntimeError):
@@ -43,6 +43,7 @@ def budget_report(results: list[RunResult], size, warm: dict | None, planned_doc
     return {"design": now, "primary": primary_figures(results, size), "diagnostics": diagnostic_tests(results, size),
             "sampled_primary": primary_figures(sampled, sampled_size) if sampled else [],
             "staleness": _staleness(results, size), "warm_start_test": (warm or {}).get("test_checks_summary"),
+            "baseline_gain": baseline_gains(results, size), "gain_gate": size.gain_gate,
             "warm_start_test_final": (warm or {}).get("sft_test_accuracy")}
 
 
@@ -99,6 +100,11 @@ def budget_markdown(rep: dict) -> list[str]:
                 f"{wt['last']} checks (steps {wt['last_steps'][0]}-{wt['last_steps'][1]}) average "
                 f"{100 * wt['mean']:.1f}% (SD {100 * (wt['sd'] or 0):.1f}, range {100 * wt['range'][0]:.1f}-"
                 f"{100 * wt['range'][1]:.1f}%).", ""]
+    gains = rep.get("baseline_gain") or {}
+    if gains:
+        out += ["Testbed: the baseline's mean gain from step 0 at the budget, per regime: " + "; ".join(
+            f"{reg} {100 * g:+.1f} points" for reg, g in gains.items()) + f" (the comparison needs >= "
+            f"{100 * rep['gain_gate']:.0f} in every regime).", ""]
     out += ["## Primary tests (D-ARL against the baseline; Holm over these only)", "", *_rows(rep["primary"], True), ""]
     if rep["staleness"]:
         out += ["Mean staleness of trained sequences (versions), per regime: " + "; ".join(

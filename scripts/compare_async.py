@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from experiment import plan as P  # noqa: E402
 from experiment.analysis import collapsed  # noqa: E402
 from experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
+from experiment.primary import baseline_gains  # noqa: E402
 from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned  # noqa: E402
 from experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
 from megatron_darl.launch.warmstart import read_stats  # noqa: E402
@@ -88,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every run, after the size's")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run counts as failed")
     p.add_argument("--plan", action="store_true", help="print the runs and the time budget, then exit")
+    p.add_argument("--no-gate", action="store_true", dest="no_gate",
+                   help="budget size: run every cell even when the baseline gains less than the size's gain gate")
     p.add_argument("--publish", help="also copy results.md, results.json and the plots into this folder "
                                      "(e.g. docs/results)")
     return p
@@ -180,6 +183,22 @@ def _pilot(drv: "Driver", size: P.Size) -> tuple[P.Size, dict | None, str | None
     return P.with_overrides(size, lr_grid=(*size.lr_grid, rate)), info, None
 
 
+def _gate(drv: "Driver", size: P.Size, skip: bool) -> str | None:
+    """A budget size runs its baseline first, in every regime; why to stop before the other
+    cells when its mean gain from step 0 at the budget is below `size.gain_gate` in a regime."""
+    if not size.budget or not size.gain_gate:
+        return None
+    base = drv.run([s for s in P.main_specs(size, {}) if s.method == size.baseline])
+    gains = baseline_gains(base, size)
+    print("baseline gain from step 0 at the budget: " + ", ".join(f"{k} {100 * v:+.1f} points" for k, v in gains.items()),
+          flush=True)
+    low = {k: v for k, v in gains.items() if v < size.gain_gate}
+    if low and not skip:
+        return (f"the baseline gains less than {100 * size.gain_gate:.0f} points in {sorted(low)}: this testbed has "
+                f"too little RL signal for the comparison (--no-gate runs it anyway)")
+    return None
+
+
 def runs_wall_s(results: list) -> float:
     """The runs' own wall seconds summed (each run records its invocation's, reused or not)."""
     return round(sum((r.run_cost or {}).get("wall_s", 0.0) for r in results), 1)
@@ -220,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     drv = Driver(args, size, total)
     size, pilot, stop = _pilot(drv, size)
+    stop = stop or _gate(drv, size, args.no_gate)  # a warm start out of range, a testbed without signal
     if stop:
         print(f"compare_async: {stop}", file=sys.stderr)
         return 2

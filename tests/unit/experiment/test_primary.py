@@ -130,3 +130,12 @@ def test_the_budget_plan_runs_every_cell_alike():
 
     cfg = load_config("configs/cpu_demo_darl.yaml", run_overrides(specs[-1], size))
     assert cfg.train.max_generated_samples == BUDGET and cfg.data.partition == "hash" and cfg.eval.sampled_k == 4
+
+
+def test_the_baseline_gain_is_its_accuracy_at_the_budget_over_step_0():
+    size = SIZES["budget"]
+    runs = _results({"decoupled_areal": 0.08, "darl": 0.11})
+    gains = Q.baseline_gains(runs, size)
+    naive = np.mean([r.curve.accuracy[-1] - r.curve.accuracy[0] for r in runs
+                     if r.spec.method == "decoupled_areal" and r.spec.regime == "gen"])
+    assert set(gains) == {"gen", "stale"} and gains["gen"] == pytest.approx(naive) and size.gain_gate == 0.08
