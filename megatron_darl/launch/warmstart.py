@@ -106,11 +106,12 @@ def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:
     key = {"tiny": TINY_QWEN3, "sft_steps": cfg.demo.sft_steps, "seed": cfg.train.seed,
            "batch": SFT_BATCH, "lr": [SFT_LR, "constant", SFT_WARMUP], "tokenizer": tok_dir,
            "target": [cfg.demo.sft_target, SFT_CHECK_EVERY, SFT_CHECK_NEAR, cfg.eval.num_problems,
-                      cfg.data.eval_size, cfg.data.eval_source],
-           "partition": [cfg.data.partition, cfg.data.test_frac, cfg.data.val_frac, cfg.data.val_size], "data": {
+                      cfg.data.eval_size, cfg.data.eval_source], "data": {
                "source": cfg.data.source, "kwargs": dict(cfg.data.dataset_kwargs),
                "template": cfg.data.prompt_template, "chat": cfg.data.chat_template, "seed": cfg.data.seed,
                "file": [stat.st_size, stat.st_mtime_ns] if stat else None}}
+    if cfg.data.partition != "none":  # keyed only when set: warm starts cached before the key stay valid
+        key["partition"] = [cfg.data.partition, cfg.data.test_frac, cfg.data.val_frac, cfg.data.val_size]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
