@@ -61,3 +61,11 @@ def test_test_checks_summary_keeps_the_last_ten():
     assert summ["sd"] == pytest.approx(statistics.stdev([i / 100 for i in range(6, 16)]))
 
 
+
+
+def test_the_partition_keys_the_cache_only_when_set(tmp_path):
+    """A warm start cached before the partition existed keeps its fingerprint (partition none
+    ignores the fractions); with a partition, the fractions make another warm start."""
+    fp = lambda *o: warmstart._fingerprint(load_config(DEMO, [f"train.run_dir={tmp_path}", *o]), "tok")  # noqa: E731
+    assert fp("data.test_frac=0.2") == fp()
+    assert fp("data.partition=hash") != fp() and fp("data.partition=hash", "data.test_frac=0.2") != fp("data.partition=hash")
