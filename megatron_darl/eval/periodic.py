@@ -171,6 +171,7 @@ class PeriodicEvaluator:
         out.update({"eval/wall_s": time.perf_counter() - self.t_start - self.eval_s_total, "perf/eval_s": eval_s})
         if generated is not None:
             out["eval/samples_generated"] = generated
+        os.makedirs(os.path.dirname(os.path.abspath(self.ledger)), exist_ok=True)
         with open(self.ledger, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(out) + "\n")
         return out
