@@ -59,17 +59,22 @@ def _staleness(results: list[RunResult], size) -> dict:
     return out
 
 
+def _n(v, scale: float = 1.0, fmt: str = "+.1f") -> str:
+    """`v * scale` formatted, "-" for a missing or non-finite figure (one seed has no interval)."""
+    return "-" if v is None or v != v or v in (float("inf"), float("-inf")) else format(scale * v, fmt)
+
+
 def _fmt(row: dict) -> tuple[str, str, str]:
     if row.get("difference") is None:
         return "-", "-", "-"
     if row["metric"] == "accuracy_at_budget":
-        diff = f"{100 * row['difference']:+.1f} [{100 * row['ci_low']:+.1f}, {100 * row['ci_high']:+.1f}] pts"
-        means = f"{100 * row['mean_a']:.1f} vs {100 * row['mean_b']:.1f}%"
-        return diff, means, "-"
-    diff = f"{row['difference']:+.0f} [{row['ci_low']:+.0f}, {row['ci_high']:+.0f}]"
-    means = f"{row['mean_a']:.0f} vs {row['mean_b']:.0f} (censored {row['censored_a']}/{row['censored_b']})"
-    lo, hi = row["ratio_ci"]
-    ratio = "-" if row["ratio"] is None else (f"{row['ratio']:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""))
+        diff = f"{_n(row['difference'], 100)} [{_n(row['ci_low'], 100)}, {_n(row['ci_high'], 100)}] pts"
+        return diff, f"{_n(row.get('mean_a'), 100, '.1f')} vs {_n(row.get('mean_b'), 100, '.1f')}%", "-"
+    diff = f"{_n(row['difference'], 1, '+.0f')} [{_n(row['ci_low'], 1, '+.0f')}, {_n(row['ci_high'], 1, '+.0f')}]"
+    means = (f"{_n(row.get('mean_a'), 1, '.0f')} vs {_n(row.get('mean_b'), 1, '.0f')} "
+             f"(censored {row.get('censored_a', 0)}/{row.get('censored_b', 0)})")
+    lo, hi = row.get("ratio_ci") or (None, None)
+    ratio = _n(row.get("ratio"), 1, ".2f") + (f" [{_n(lo, 1, '.2f')}, {_n(hi, 1, '.2f')}]" if lo is not None else "")
     return diff, means, ratio
 
 
@@ -78,10 +83,10 @@ def _rows(rows: list[dict], holm: bool) -> list[str]:
     out = [head + (" p Holm |" if holm else ""), "|---" * (9 + holm) + "|"]
     for r in rows:
         diff, means, ratio = _fmt(r)
-        p = "-" if r.get("p") is None else f"{r['p']:.3f}"
+        p = _n(r.get("p"), 1, ".3f")
         line = (f"| {r['regime']} | {METHODS[r['a']].label} | {METHODS[r['b']].label} | {r['metric'].replace('_', ' ')} "
                 f"| {diff} | {means} | {ratio} | {r.get('seeds', 0)} | {p} |")
-        out.append(line + (f" {'-' if r.get('p_holm') is None else format(r['p_holm'], '.3f')} |" if holm else ""))
+        out.append(line + (f" {_n(r.get('p_holm'), 1, '.3f')} |" if holm else ""))
     return out
 
 

@@ -139,3 +139,13 @@ def test_the_baseline_gain_is_its_accuracy_at_the_budget_over_step_0():
     naive = np.mean([r.curve.accuracy[-1] - r.curve.accuracy[0] for r in runs
                      if r.spec.method == "decoupled_areal" and r.spec.regime == "gen"])
     assert set(gains) == {"gen", "stale"} and gains["gen"] == pytest.approx(naive) and size.gain_gate == 0.08
+
+
+def test_the_report_of_a_baseline_alone_prints_dashes_not_a_crash():
+    """One seed of the baseline (a probe): no D-ARL, no interval; every figure it cannot have is "-"."""
+    size = with_overrides(SIZES["budget"], methods=("decoupled_areal",), seeds=(0,))
+    runs = [r for r in _results({"decoupled_areal": 0.08}, seeds=1)]
+    rep = budget_report(runs, size, None, planned(size))
+    md = "\n".join(budget_markdown(rep))
+    assert "| gen | D-ARL (K = eta + 3) | decoupled, AReaL cap 5 | accuracy at budget | - [-, -] pts" in md
+    assert rep["baseline_gain"]["gen"] == pytest.approx(0.08 + 0.01 * (3 * len("decoupled_areal") % 5))
