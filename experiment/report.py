@@ -76,6 +76,7 @@ def build_report(results: list[RunResult], size: Size, best: dict[str, Setting],
                             ["darl", *size.ablations])
     return {
         "size": size.name, "steps": size.steps, "eval_every": size.every, "etas": list(size.etas),
+        "budget_samples": size.budget, "eval_every_samples": size.every_samples,
         "seeds": list(size.seeds), "lr_grid": list(size.lr_grid), "tune_eta": size.tune_eta,
         "tuned_per_method": size.tune,
         "mb_grid": list(size.mb_grid), "grid": [g.label for g in size.grid()], "settings": list(size.settings),
@@ -179,9 +180,14 @@ def _warm_lines(warm: dict | None) -> list[str]:
     if not summ or summ["later_half_median"] is None:
         return []
     lo, hi = summ["later_half_range"]
+    on = ("the validation split, disjoint from the test split the curves are scored on (the test checks are in "
+          "the design section)" if warm.get("sft_selected_on") == "validation" else
+          "the problems the curves are scored on: step 0 is a high point")
+    if warm.get("sft_selected_on") == "none":
+        return []  # a fixed step count: nothing was selected (the design section shows its test checks)
     return [f"Warm start: {warm['sft_steps']} SFT steps, stopped at {_pct(warm['sft_heldout_accuracy'])}% held-out "
-            f"greedy accuracy, the first of {summ['checks']} checks to reach {_pct(warm['sft_target'])}%, on the "
-            f"problems the curves are scored on: step 0 is a high point. Best check before it "
+            f"greedy accuracy, the first of {summ['checks']} checks to reach {_pct(warm['sft_target'])}%, on "
+            f"{on}. Best check before it "
             f"{_pct(summ['best_before_stop'])}%; checks over the later half of the steps before it: median "
             f"{_pct(summ['later_half_median'])}% (range {_pct(lo)}-{_pct(hi)}%).", ""]
 
@@ -236,8 +242,9 @@ def _cost_lines(report: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     best = report["tuned"]
-    out = [f"# D-ARL comparison ({report['size']}: {report['steps']} steps, evaluation every "
-           f"{report['eval_every']}, seeds {report['seeds']})", ""]
+    length = (f"{report['budget_samples']} generated samples, evaluation every {report['eval_every_samples']} samples"
+              if report.get("budget_samples") else f"{report['steps']} steps, evaluation every {report['eval_every']}")
+    out = [f"# D-ARL comparison ({report['size']}: {length}, seeds {report['seeds']})", ""]
     out += _warm_lines(report.get("warm_start")) + _pilot_lines(report.get("pilot")) + _cost_lines(report)
     for fig in report["tables"].values():
         table = _table(fig, best) if report["tuned_per_method"] else _factor_table(fig)

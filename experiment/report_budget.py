@@ -104,7 +104,8 @@ def budget_markdown(rep: dict) -> list[str]:
         out += [f"Warm start on the test split: the model RL starts from scores {100 * wt['final']:.1f}%; its last "
                 f"{wt['last']} checks (steps {wt['last_steps'][0]}-{wt['last_steps'][1]}) average "
                 f"{100 * wt['mean']:.1f}% (SD {100 * (wt['sd'] or 0):.1f}, range {100 * wt['range'][0]:.1f}-"
-                f"{100 * wt['range'][1]:.1f}%).", ""]
+                f"{100 * wt['range'][1]:.1f}%): step 0 is "
+                f"{100 * (wt['final'] - wt['mean']):+.1f} points from their mean.", ""]
     gains = rep.get("baseline_gain") or {}
     if gains:
         out += ["Testbed: the baseline's mean gain from step 0 at the budget, per regime: " + "; ".join(

@@ -12,7 +12,7 @@ verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay
   ablations;
 - `quick`: CI, a few minutes;
 - `budget` (issue 30): the sample budget as the stop. 2-term chain_sum split by question hash
-  into disjoint train / validation / test sets, the warm start stopped on validation, curves on
+  into disjoint train / validation / test sets, a warm start of a fixed 450 steps, curves on
   1000 test questions (greedy, and avg@4 at temperature 1) every 4096 generated samples; every
   run stops at 32768 generated samples; a generation-bound regime (`gen`: unpaced learner, eta 1)
   and a staleness-bound one (`stale`: learner paced to >= 1 s a step, eta 4); the baseline

@@ -105,10 +105,12 @@ def test_the_design_is_decided_before_the_runs_and_a_changed_one_is_refused():
     doc = planned(size)
     d = doc["design"]
     assert (d["baseline"], d["darl"], d["budget_samples"], d["seeds"]) == ("decoupled_areal", "darl", BUDGET, [0, 1, 2, 3, 4])
-    assert d["test_split_disjoint"] is True and d["warm_start_selected_on"] == "validation"
+    assert d["test_split_disjoint"] is True and d["warm_start_selected_on"] == "none"  # a fixed step count
+    stop = with_overrides(size, settings=(*size.settings, "demo.sft_target=0.25"))
+    assert Q.design(stop)["warm_start_selected_on"] == "validation"
     assert doc["primary"] == Q.primary_definitions(size) and len(doc["primary"]) == 4
     assert Q.design(SIZES["seeds"])["warm_start_selected_on"] == "test"  # the earlier comparison's stop
-    rep = budget_report(_results({"decoupled_areal": 0.08, "darl": 0.11}), size, {"sft_selected_on": "validation"}, doc)
+    rep = budget_report(_results({"decoupled_areal": 0.08, "darl": 0.11}), size, {"sft_selected_on": "none"}, doc)
     assert rep["design"] == d and rep["sampled_primary"] and "## Primary tests" in "\n".join(budget_markdown(rep))
     with pytest.raises(DesignChanged):
         budget_report([], with_overrides(size, seeds=(0, 1, 2)), None, doc)
