@@ -184,8 +184,9 @@ def stop_and_test_prompts(cfg: RunConfig, tok: Any) -> tuple[list | None, list |
     the validation split and the checks also score the test split (the one the curves are scored
     on), whether or not there is a target; without it a target stop reads the eval split itself,
     the problems the curves are scored on ("test")."""
-    from megatron_darl.data.sources import build_loader, context_limit
+    from megatron_darl.data.sources import build_loader
     from megatron_darl.eval.heldout import eval_prompts
+    from megatron_darl.learner.checks import context_limit
 
     if cfg.data.partition != "hash":
         target = cfg.demo.sft_target > 0
