@@ -38,6 +38,10 @@ class RunFailed(RuntimeError):
     """A training run exited non-zero or left an incomplete run folder (names its log)."""
 
 
+class NotRun(RuntimeError):
+    """`run_or_reuse(..., run=False)`: the run has no finished folder, and running was not asked."""
+
+
 def prepare_warm_start(out: str, config: str, extra: list[str]) -> str:
     """The shared warm-started model folder (`<out>/_warm/model`), made on first use."""
     warm = os.path.join(out, "_warm")
@@ -91,12 +95,15 @@ def finished(run_dir: str, cmd: list[str], steps: int, eval_on: bool, budget: in
 
 
 def run_or_reuse(spec: RunSpec, out: str, config: str, warm_model: str, overrides: list[str], steps: int,
-                 eval_on: bool, timeout_s: float, budget: int = 0) -> tuple[str, bool, float]:
-    """Run `spec` unless its finished folder exists; returns (run_dir, reused, seconds)."""
+                 eval_on: bool, timeout_s: float, budget: int = 0, run: bool = True) -> tuple[str, bool, float]:
+    """Run `spec` unless its finished folder exists; returns (run_dir, reused, seconds).
+    `run=False`: only reuse (`NotRun` when there is nothing finished to reuse)."""
     run_dir = os.path.abspath(os.path.join(out, "runs", spec.name))
     cmd = command(spec, run_dir, config, overrides)
     if finished(run_dir, cmd, steps, eval_on, budget):
         return run_dir, True, 0.0
+    if not run:
+        raise NotRun(f"{spec.name}: no finished run folder")
     shutil.rmtree(run_dir, ignore_errors=True)  # half-finished or other settings: redo from the start
     shutil.copytree(warm_model, os.path.join(run_dir, "model"))
     with open(os.path.join(run_dir, RUN_RECORD), "w", encoding="utf-8") as fh:

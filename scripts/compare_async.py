@@ -34,7 +34,8 @@ measures, whichever method wins.
     python scripts/compare_async.py --quick --out /tmp/cmp        # CI: a few minutes
     python scripts/compare_async.py --out runs/compare --publish docs/results   # the comparison (< 95 min, 2 cores)
     python scripts/compare_async.py --plan                        # runs and time budget, then exit
-    python scripts/compare_async.py --size budget --out runs/budget --publish docs/results   # issue 30
+    python scripts/compare_async.py --size budget --out runs/budget --publish docs/results   # D-ARL's claim
+    python scripts/compare_async.py --size budget --out runs/budget --report-only   # interim: finished runs only
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from experiment.analysis import collapsed  # noqa: E402
 from experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
 from experiment.primary import baseline_gains  # noqa: E402
 from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned  # noqa: E402
-from experiment.runs import RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
+from experiment.runs import NotRun, RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
 from megatron_darl.launch.warmstart import read_stats  # noqa: E402
 
 # The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
@@ -89,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every run, after the size's")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run counts as failed")
     p.add_argument("--plan", action="store_true", help="print the runs and the time budget, then exit")
+    p.add_argument("--report-only", action="store_true", dest="report_only",
+                   help="run nothing: tables, plots and results.json from the finished runs (an interim report)")
     p.add_argument("--no-gate", action="store_true", dest="no_gate",
                    help="budget size: run every cell even when the baseline gains less than the size's gain gate")
     p.add_argument("--publish", help="also copy results.md, results.json and the plots into this folder "
@@ -129,6 +132,7 @@ class Driver:
     def __init__(self, args, size: P.Size, total: int):
         self.args, self.size, self.total = args, size, total
         self.done, self.failed, self.spent = 0, [], 0.0
+        self.missing: list[str] = []  # --report-only: runs without a finished folder
         self.seen: dict[str, object] = {}  # results of this session by run name (tuning runs reused)
         self.warm = prepare_warm_start(args.out, args.config, [*size.settings, *args.extra])
 
@@ -144,8 +148,13 @@ class Driver:
             try:
                 steps = spec.length(self.size.steps, self.size.every)[0]
                 run_dir, reused, secs = run_or_reuse(spec, self.args.out, self.args.config, self.warm, over,
-                                                     steps, True, self.args.run_timeout, self.size.budget)
+                                                     steps, True, self.args.run_timeout, self.size.budget,
+                                                     run=not self.args.report_only)
                 r = read_result(spec, run_dir)
+            except NotRun:
+                self.missing.append(spec.name)
+                print(f"{head} not run yet (--report-only)", flush=True)
+                continue
             except RunFailed as exc:
                 self.failed.append(str(exc))
                 print(f"{head} failed: {exc}", flush=True)
@@ -252,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     report = build_report(results, size, best if size.tune else {}, scores, tuned, pilot)
     # wall_s: this invocation (seconds when it reuses finished runs); runs_wall_s: the main runs' own
     # wall times summed, which a rerun keeps
-    report.update({"failed": drv.failed, "wall_s": round(time.time() - t0, 1), "runs_wall_s": runs_wall_s(results),
+    report.update({"failed": drv.failed, "not_run": drv.missing, "wall_s": round(time.time() - t0, 1),
+                   "runs_wall_s": runs_wall_s(results),
                    "warm_start": read_stats(drv.warm), "out": os.path.abspath(args.out)})
     try:
         text = _text(report, results, size, plan_doc)
@@ -276,11 +286,14 @@ def _text(report: dict, results: list, size: P.Size, plan_doc: dict | None) -> s
     """results.md; a budget size's design, primary tests and diagnostics go first (and into
     `report`). DesignChanged when they differ from the design written before the runs."""
     text = markdown(report)
-    if not size.budget:
-        return text
-    report.update(budget_report(results, size, report["warm_start"], plan_doc))
+    missing = report.get("not_run") or []
+    interim = [f"**Interim report** (`--report-only`): {len(missing)} planned runs have not run yet "
+               f"({', '.join(missing)}); every figure below is from the finished runs only.", ""] if missing else []
     head, rest = text.split("\n", 1)
-    return "\n".join([head, "", *budget_markdown(report), rest])
+    if not size.budget:
+        return "\n".join([head, "", *interim, rest])
+    report.update(budget_report(results, size, report["warm_start"], plan_doc))
+    return "\n".join([head, "", *interim, *budget_markdown(report), rest])
 
 
 def write_plan(out: str, size: P.Size) -> dict:

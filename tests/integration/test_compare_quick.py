@@ -2,8 +2,8 @@
 then the outputs a user reads are there and well-formed -- a markdown table per eta whose rows
 are the methods run (sync, the two replay baselines, D-ARL), D-ARL's paired tests, the three PNG
 plots, `results.json` and the same JSON object as the last line of stdout, with a curve point for
-every evaluation -- and a second invocation reuses every
-finished run (nothing is run twice). Checks the form of the outputs, not which method wins."""
+every evaluation -- and a second invocation (`--report-only`) reuses every finished run
+(nothing is run twice). Checks the form of the outputs, not which method wins."""
 
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ def test_quick_comparison_writes_tables_plots_and_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = check_outputs(out, proc.stdout)
 
-    again = _compare(out)  # resumable: every finished run is reused, the figures are the same
+    # resumable: every finished run is reused (--report-only: it could run nothing), the same figures
+    again = _compare(out, "--report-only")
     assert again.returncode == 0, again.stdout[-3000:]
-    assert again.stdout.count(" reused: ") == len(last["runs"])
+    assert again.stdout.count(" reused: ") == len(last["runs"]) and "not run yet" not in again.stdout
+    assert json.loads(again.stdout.strip().splitlines()[-1])["not_run"] == []
     assert json.loads(again.stdout.strip().splitlines()[-1])["tables"] == last["tables"]

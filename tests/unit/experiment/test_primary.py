@@ -112,6 +112,9 @@ def test_the_design_is_decided_before_the_runs_and_a_changed_one_is_refused():
     assert Q.design(SIZES["seeds"])["warm_start_selected_on"] == "test"  # the earlier comparison's stop
     rep = budget_report(_results({"decoupled_areal": 0.08, "darl": 0.11}), size, {"sft_selected_on": "none"}, doc)
     assert rep["design"] == d and rep["sampled_primary"] and "## Primary tests" in "\n".join(budget_markdown(rep))
+    # staleness: the mean over seeds of each run's mean, and the largest any run trained
+    assert rep["staleness"]["stale"]["darl"] == {"mean": 1.0, "max": 2.0}
+    assert "D-ARL (K = eta + 3) 1.00 (2)" in "\n".join(budget_markdown(rep))
     with pytest.raises(DesignChanged):
         budget_report([], with_overrides(size, seeds=(0, 1, 2)), None, doc)
 

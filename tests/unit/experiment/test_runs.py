@@ -9,7 +9,7 @@ import os
 import pytest
 
 from experiment.api import RunSpec
-from experiment.runs import RUN_RECORD, RunFailed, command, finished, read_result
+from experiment.runs import RUN_RECORD, NotRun, RunFailed, command, finished, read_result, run_or_reuse
 
 SPEC = RunSpec("decoupled_areal", 2, 5e-5, 1)
 
@@ -49,6 +49,22 @@ def test_a_complete_run_with_the_same_command_is_finished(tmp_path):
     other = RunSpec(SPEC.method, SPEC.eta, 1e-4, SPEC.seed)
     assert not finished(run, command(other, run, "configs/cpu_demo_darl.yaml", other.overrides(4, 2)), steps=4,
                         eval_on=True)  # same folder, other settings (a changed grid): redo
+
+
+def test_report_only_reuses_a_finished_run_and_runs_nothing_else(tmp_path):
+    """`run_or_reuse(..., run=False)` (compare_async --report-only): a finished folder is reused;
+    a half-finished one is left as it is (not removed, not run) and reported as not run."""
+    out = tmp_path / "exp"
+    run_dir = str(out / "runs" / SPEC.name)
+    cmd = _write_run(run_dir)
+    over = SPEC.overrides(4, 2)
+    assert run_or_reuse(SPEC, str(out), "configs/cpu_demo_darl.yaml", "/nonexistent", over, 4, True, 1.0,
+                        run=False)[:2] == (os.path.abspath(run_dir), True)
+    assert cmd[1:] == json.load(open(os.path.join(run_dir, RUN_RECORD)))["command"]
+    _write_run(run_dir, final_version=2)  # half-finished
+    with pytest.raises(NotRun, match=SPEC.name):
+        run_or_reuse(SPEC, str(out), "configs/cpu_demo_darl.yaml", "/nonexistent", over, 4, True, 1.0, run=False)
+    assert os.path.isfile(os.path.join(run_dir, "learner_summary.json"))  # left as it was
 
 
 def test_half_finished_runs_are_not_finished(tmp_path):
