@@ -264,10 +264,12 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
     """A probe that held, kept as a test: kill -9 of the rollout manager after a checkpoint names
     the process, leaves nothing behind, and `checkpoint.resume=auto` continues with every prompt
     the manager had written trained once (the learner-kill variant is tests/integration/
-    test_e2e_resume.py, whose checks this reuses)."""
+    test_e2e_resume.py, whose checks this reuses). Nothing left behind: no process names the run
+    folder or remains in a process group the run had (reward workers, engines the manager
+    restarted) and no `/dev/shm/darl-<run_id>-*` segment, which the run did use."""
     import signal
 
-    from tests.helpers.e2e import DarlRun, assert_nothing_left, new_run, role_pid, run_groups
+    from tests.helpers.e2e import DarlRun, assert_nothing_left, group_members, new_run, role_pid, run_groups
     from test_e2e_resume import STEPS, _resume_config, loader_sequence, newest_checkpoint
 
     run = new_run(tmp_path, warm_model, "mgr", algo={"max_head_offpolicyness": 1},
@@ -277,6 +279,8 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
         run.start()
         run.wait_for(lambda: len(run.ledger()) >= 3, 240, "3 trained steps (a checkpoint at step 2)")
         run_id, groups = run.run_info()["run_id"], run_groups(run)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"darl-{run_id}-")], "no shared memory in use?"
+        assert len(group_members(groups)) >= 4  # launcher, engine, rollout manager, learner
         os.kill(role_pid(run.run_dir, "megatron_darl.rollout"), signal.SIGKILL)
         code = run.wait(60)
         out = run.output()
