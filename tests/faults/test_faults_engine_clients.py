@@ -222,7 +222,8 @@ def _watch_health(url: str, stop: threading.Event, worst: list[float]) -> None:
 
 @pytest.mark.timeout(180)
 def test_health_answers_while_one_request_carries_a_huge_body(plain):
-    """Was: 1M prompts in 4.8 MiB answered after 66 s, /health stalled 15.9 s; 60 MiB, 2.6 s.
+    """A 60 MiB body (over --max-body-mb 16) and 1M prompts get 413s, /health answers meanwhile,
+    and the engine serves the next request. Was: 1M prompts in 4.8 MiB answered after 66 s, /health stalled 15.9 s; 60 MiB, 2.6 s.
     The bench's figure is the 100 ms target; the bound here leaves room for a loaded machine."""
     million = json.dumps({"input_ids": [[1]] * 1_000_000, "sampling_params": {"max_new_tokens": 1}}).encode()
     huge = b'{"input_ids": [' + b"1, " * (20 * 1024**2) + b"1]}"
@@ -236,6 +237,11 @@ def test_health_answers_while_one_request_carries_a_huge_body(plain):
         watch.join()
     assert statuses == [413, 413]
     assert worst[0] < 0.5, f"/health took {worst[0]:.3f} s while a huge body was handled"
+    # and the engine keeps serving: the next ordinary request is answered
+    got, raw = post(plain["url"] + "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2,
+                                                                                            "ignore_eos": True}},
+                    timeout=60)
+    assert got == 200 and len(strict(raw)["output_ids"]) == 2, raw
 
 
 def _partial_body(url: str) -> socket.socket:

@@ -91,12 +91,13 @@ class DarlRun:
     run_dir: str
     out_path: str
     proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # the launcher's environment (None: this process's)
     _out: object = field(default=None, repr=False)
 
     def start(self) -> "DarlRun":
         os.makedirs(self.run_dir, exist_ok=True)
         self._out = open(self.out_path, "a", encoding="utf-8")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(self.env if self.env is not None else os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         exe = shutil.which("darl-train")
         argv = [exe] if exe else [sys.executable, "-c", "from megatron_darl.launch.cli import train; train()"]
         self.proc = subprocess.Popen(argv + ["--config", self.config], stdout=self._out, stderr=subprocess.STDOUT,

@@ -6,6 +6,8 @@ global.index-url`, else PyPI), through the proxy the environment names if any, w
 connection bounded in time, once per session. Unreachable: the test is skipped, naming what it
 downloads and why it could not; with DARL_REQUIRE_NETWORK=1 (set by .ci/run) it fails instead,
 so CI never passes by skipping them.
+`dead_proxy_env(env)`: `env` with every proxy variable pointing at a port nothing listens on and
+no `no_proxy`, as HPC sites export them on compute nodes (the demo and the Slurm job run so).
 What it is not: a download helper (the tests call `pip download` themselves) or a check that
 the package exists (a missing release is the test's error, not a skip).
 """
@@ -22,6 +24,15 @@ from urllib.parse import urlsplit
 import pytest
 
 DEFAULT_INDEX = "https://pypi.org/simple"
+DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens there
+PROXY_KEYS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+
+
+def dead_proxy_env(env: dict[str, str]) -> dict[str, str]:
+    """A copy of `env` that sends any proxied request to a dead proxy (and exempts nothing)."""
+    out = {k: v for k, v in env.items() if k not in ("no_proxy", "NO_PROXY")}
+    out.update({k: DEAD_PROXY for k in PROXY_KEYS})
+    return out
 PROBE_TIMEOUT_S = 5.0
 
 

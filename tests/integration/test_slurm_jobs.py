@@ -3,7 +3,8 @@ nodes on this machine; CI brings it up): one heterogeneous job through submitit,
 spanning nodes, Ctrl-C, preemption and requeue.
 
 - The README's command, as written: the CPU demo as one heterogeneous job, trainer component on
-  one node and its darl-engine on another, exit 0, job id printed, summaries in the run folder.
+  one node and its darl-engine on another, exit 0, job id printed, summaries in the run folder;
+  with a dead proxy exported (every scheme, no `no_proxy`), which the job inherits.
 - TP=2 with one learner rank on each of two nodes (rendezvous from the Slurm environment, gloo)
   gives exactly the losses of TP=2 on one machine.
 - Ctrl-C cancels the job, says so, and nothing of the run is left (processes, shared memory).
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.e2e import assert_nothing_left, new_run
+from tests.helpers.network import dead_proxy_env
 from tests.helpers.slurm import job_components, job_id_of, wait_job_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
@@ -32,17 +34,18 @@ SYNC = {"algo": {"max_head_offpolicyness": 0, "replay": False, "sg": False, "pmi
                  "old_logprob": "proximal", "ppo_n_minibatches": 2}}
 
 
-def _darl_train(args: list[str], cwd: str, out: Path) -> subprocess.Popen:
+def _darl_train(args: list[str], cwd: str, out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     exe = [sys.executable, "-c", "from megatron_darl.launch.cli import train; train()"]
     return subprocess.Popen(exe + args, cwd=cwd, stdout=open(out, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+                            env=dict(env or os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
 
 
 @pytest.mark.timeout(1200)
 def test_readme_command_runs_the_demo_as_one_heterogeneous_job(demo_dir, tmp_path):
     out = tmp_path / "darl.out"  # the command as the README writes it, run where configs/ is
     argv = ["--config", "configs/cpu_demo_darl.yaml", "launch.mode=slurm", "launch.rollout_nodes=1", "train.steps=6"]
-    proc = _darl_train(argv, str(demo_dir), out)
+    # as on an HPC site that exports a proxy on its nodes: the job inherits it, nothing may use it
+    proc = _darl_train(argv, str(demo_dir), out, env=dead_proxy_env(dict(os.environ)))
     try:
         code = proc.wait(timeout=1100)
     finally:

@@ -14,8 +14,7 @@ import pytest
 
 from megatron_darl.engine.command import EngineSpec, no_proxy_env
 from megatron_darl.launch.engine_host import healthy
-
-DEAD_PROXY = "http://127.0.0.1:9"
+from tests.helpers.network import DEAD_PROXY, PROXY_KEYS
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -42,7 +41,7 @@ def server():
 
 @pytest.fixture
 def dead_proxy(monkeypatch):
-    for key in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+    for key in PROXY_KEYS:
         monkeypatch.setenv(key, DEAD_PROXY)
     for key in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(key, raising=False)
