@@ -10,7 +10,11 @@ SIGUSR1, SIGUSR2) is forwarded to the learners, which checkpoint and stop within
 `launch.stop_timeout_s`, (7) accuracy of the final policy on the same problems, with the
 engines' current addresses (a restarted engine has a new one), and a summary (paired gain
 with a 95% interval, where TensorBoard logs are). A finished training run never ends as a
-failure: an evaluation that fails after it is reported and left out of the summary.
+failure: an evaluation that fails after it is reported and left out of the summary. A
+preemption signal before the learners start (warm start, engine start, the first evaluation)
+stops the run at once and cleanly, exit 0 (no train step ran, nothing to checkpoint; the warm
+start writes its model whole or not at all); during the evaluation after training it skips
+that evaluation (the policy is exported). Each phase is one `[launcher]` line.
 What it is not: where processes run (`Placement`: `runner.LocalPlacement`,
 `slurm_job.SlurmPlacement`) or any role's own work.
 """
@@ -115,10 +119,11 @@ class HostClock:
 
 
 class Stopped(Exception):
-    """A preemption signal before any learner rank started: nothing to checkpoint, stop now."""
+    """A preemption signal before any learner rank started (nothing to checkpoint: stop now), or
+    during the evaluation after training (the policy is exported: skip the evaluation)."""
 
-    def __init__(self, signum: int):
-        super().__init__(f"{signal.Signals(signum).name} before training started")
+    def __init__(self, signum: int, when: str = "before training started"):
+        super().__init__(f"{signal.Signals(signum).name} {when}")
         self.signum = signum
 
 
@@ -127,7 +132,7 @@ class RunSession:
         self.cfg, self.placement = cfg, placement
         self.info: RunInfo | None = None
         self.preempted_at: float | None = None
-        self.learners_started = self.stopping = self.completed = False
+        self.learners_started = self.stopping = self.completed = self.evaluating_final = False
 
     def log(self, msg: str) -> None:
         print(f"[launcher] {msg}", flush=True)
@@ -135,9 +140,10 @@ class RunSession:
     def run(self) -> int:
         try:
             return self._run()
-        except Stopped as why:
-            self.log(f"stopped: {why}")
-            return 128 + why.signum
+        except Stopped as why:  # a clean stop, as a preemption during training is: exit 0
+            self.log(f"stopped: {why}; nothing to checkpoint (no train step ran): the same command starts "
+                     f"the run again")
+            return 0
         except Exception as exc:  # named here: a signal handler running during teardown may replace it
             self.log(f"the run failed: {exc}")
             raise
@@ -150,11 +156,16 @@ class RunSession:
 
         for path in sweep_stale_runs():
             self.log(f"removed shared memory of a dead run: {path}")
+        if self.cfg.model.hf_dir == warmstart.BUILTIN_MODEL:
+            self.log(f"warm start of the built-in model (demo.sft_steps={self.cfg.demo.sft_steps}; cached in "
+                     f"{os.path.join(self.cfg.train.run_dir, 'model')})")
         self.cfg = warmstart.prepare_model(self.cfg)
         info = self.info = self.prepare()
+        self.log("starting engines")
         self.placement.start_engines(info)
         self.log(f"engines healthy: {', '.join(self.engine_urls(info))}")
         before = self._evaluate("before RL") if self._eval_enabled(info.resume) else None
+        self.log("training: starting the rollout manager and the learners")
         self.placement.start_rollout(info)
         write_marker(info.learners_go, info.attempt)
         self.learners_started = True
@@ -163,7 +174,9 @@ class RunSession:
         self.completed = self._completed(info)
         after = None
         if before is not None and self.completed:
+            self.evaluating_final = True  # a preemption signal now skips this evaluation
             after = self._evaluate("after RL", final=info.final_model)
+            self.evaluating_final = False
         self._summary(info, before, after)
         return 0
 
@@ -246,6 +259,9 @@ class RunSession:
             return
         if not self.learners_started:
             raise Stopped(signum)
+        if self.evaluating_final:  # the learners are done and the policy exported
+            self.evaluating_final = False
+            raise Stopped(signum, "during the evaluation after training")
         if self.preempted_at is None:
             self.preempted_at = time.monotonic()
             self.log(f"received {signal.Signals(signum).name}: learners checkpoint and stop "
@@ -281,8 +297,15 @@ class RunSession:
         """Held-out accuracy on the engines' addresses now (a restarted engine moved)."""
         from megatron_darl.eval.heldout import evaluate_with_engines
 
+        self.log(f"evaluating held-out accuracy {label}")
         try:
             scores, line = evaluate_with_engines(self.cfg, self.engine_urls(self.info), label, final_model=final)
+        except Stopped as why:
+            if final is None:
+                raise
+            self.log(f"evaluation {label} skipped ({why}); training finished: the policy is in {final} "
+                     f"(darl-eval --model {final} scores it)")
+            return None
         except Exception as exc:
             if final is None:
                 raise  # before training: nothing has been done yet, fail now

@@ -19,10 +19,12 @@ What it is not: part of RL training. Any other `model.hf_dir` is returned unchan
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import signal
 import statistics
 import time
 from dataclasses import replace
@@ -166,16 +168,29 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
             log.warning("warm start: held-out greedy accuracy %.3f after all demo.sft_steps=%d steps, below "
                         "demo.sft_target=%s (raise demo.sft_steps)", stats["sft_heldout_accuracy"],
                         cfg.demo.sft_steps, cfg.demo.sft_target)
-    tmp = out + f".tmp{os.getpid()}"
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "warmstart.json"), "w", encoding="utf-8") as fh:
-        json.dump({"fingerprint": fingerprint, **stats}, fh, indent=1)
-    if os.path.isdir(out):
-        import shutil
+    with signals_held():  # a preemption signal now waits: the folder is written whole or not at all
+        tmp = out + f".tmp{os.getpid()}"
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        with open(os.path.join(tmp, "warmstart.json"), "w", encoding="utf-8") as fh:
+            json.dump({"fingerprint": fingerprint, **stats}, fh, indent=1)
+        if os.path.isdir(out):
+            import shutil
 
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Block SIGTERM, SIGUSR1, SIGUSR2 and SIGINT in this thread for the block; one that arrived
+    meanwhile is delivered (its handler runs) when the block ends."""
+    held = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def stop_and_test_prompts(cfg: RunConfig, tok: Any) -> tuple[list | None, list | None, str]:
