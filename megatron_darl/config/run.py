@@ -36,9 +36,14 @@ class TrainConfig:
     # dropped: `eval.periodic.samples_generated`), evaluating and exporting as at a normal end;
     # train.steps stays a cap. 0: off (the run stops at train.steps)
     max_generated_samples: int = 0
+    # the longest a step waits for rollouts; past it the run stops naming the step, what the
+    # learner holds and the rollout manager's last report (0: no bound)
+    data_wait_timeout_s: float = 3600.0
 
     def check(self) -> list[tuple[str, str]]:
         errs = []
+        if not self.data_wait_timeout_s >= 0:
+            errs.append(("data_wait_timeout_s", "must be >= 0 (0: no bound)"))
         if self.steps < 0:
             errs.append(("steps", "must be >= 0"))
         if self.max_generated_samples < 0:

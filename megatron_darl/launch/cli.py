@@ -96,7 +96,13 @@ COMMANDS = {"train": train_main, "engine": engine_main, "convert": convert_main,
 
 
 def _entry(fn) -> None:  # pragma: no cover - thin wrapper for console scripts
-    sys.exit(fn())
+    from megatron_darl.launch.supervisor import ChildFailed
+
+    try:
+        sys.exit(fn())
+    except ChildFailed as exc:  # the child's own log says why; a traceback of the launcher adds nothing
+        print(f"{sys.argv[0].rsplit('/', 1)[-1]}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def train() -> None:

@@ -74,7 +74,7 @@ class ReplayFeed:
                 alive()  # raises when the rollout side died
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"step {step}: no batch of {self.batch_groups} groups ({need} never trained) "
-                                   f"within {timeout_s} s (pool: {len(self.store)} groups, "
+                                   f"within {timeout_s:g} s (pool: {len(self.store)} groups, "
                                    f"{self.store.num_pending} incomplete)")
         self.wait_s = time.monotonic() - t0
         # room in the batch for reused groups, and a margin for selection to reject some

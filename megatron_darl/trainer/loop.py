@@ -63,7 +63,7 @@ def train_loop(t: Trainer) -> int:
         t.evaluator.evaluate_start(t.publisher)  # version 0 on the curve (sample-scheduled evaluation)
     while step < t.cfg.train.steps:
         t0 = time.perf_counter()
-        cands = t.feed.wait_candidates(step, t.wait_alive) if main else None  # 1. rollouts from the ring
+        cands = _wait_rollouts(t, step) if main else None  # 1. rollouts from the ring
         batch, chosen, metrics = prepare_batch(t.cfg, t.learner, cands, step)  # 2. recompute pi_prox, select
         metrics.update(t.learner.train_step(batch))  # 3. train (minibatches)
         plan = _consume(t, step, cands, chosen, batch, metrics) if main else {}
@@ -85,6 +85,22 @@ def train_loop(t: Trainer) -> int:
             t.stopped_on = "preempted" if stop else "samples"
             break
     return step - t.start_step
+
+
+class DataStalled(RuntimeError):
+    """A step waited `train.data_wait_timeout_s` for rollouts that never came."""
+
+
+def _wait_rollouts(t: Trainer, step: int) -> Candidates:
+    """Main rank: the step's candidates, waiting at most `train.data_wait_timeout_s` (0: no
+    bound); past it, `DataStalled` names the step, what the learner holds and the rollout
+    manager's last report (a live rollout side that generates nothing, e.g. every group filtered)."""
+    limit = t.cfg.train.data_wait_timeout_s or None
+    try:
+        return t.feed.wait_candidates(step, t.wait_alive, timeout_s=limit)
+    except TimeoutError as exc:
+        raise DataStalled(f"{exc}; {t.publisher.rollout_report()}. Raise train.data_wait_timeout_s (now {limit:g} s) "
+                          f"if generation is this slow, or set it to 0 to wait without a bound") from None
 
 
 def _consume(t: Trainer, step: int, cands: Candidates, chosen: np.ndarray, batch: TrainBatch,

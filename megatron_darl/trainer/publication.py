@@ -70,6 +70,13 @@ def nonfinite_named(named) -> list[tuple[str, int, int, int]]:
     return bad
 
 
+# what `Publisher.rollout_report` names of the manager's status, in this order
+_REPORTED = (("engines up", "rollout/engines_up"), ("groups in flight", "rollout/inflight_groups"),
+             ("groups written", "rollout/groups_written"), ("filtered (equal rewards)", "rollout/filtered_groups"),
+             ("dropped", "rollout/groups_dropped"), ("engine failures", "rollout/engine_failures"),
+             ("admission capacity", "rollout/gate_capacity"), ("prompts drawn", "rollout/prompts_drawn"))
+
+
 class Publisher:
     def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, kind: str, keep: int = 3,
                  sender: Any = None):
@@ -154,6 +161,21 @@ class Publisher:
         status file, for the learner's TensorBoard; empty before its first status."""
         status = read_status(self.status_path)
         return dict(status.metrics) if status is not None else {}
+
+    def rollout_report(self) -> str:
+        """The rollout manager's last status in one line: what a learner that waited too long
+        for data says about the side that should have produced it."""
+        status = read_status(self.status_path)
+        if status is None:
+            return "the rollout manager never reported (no status file: its engines may not have started)"
+        try:
+            age = f"{time.time() - os.path.getmtime(self.status_path):.0f} s ago"
+        except OSError:
+            age = "time unknown"
+        m = status.metrics
+        parts = [f"{label} {m[key]:g}" for label, key in _REPORTED if key in m]
+        error = f", error: {status.error}" if status.error else ""
+        return f"the rollout manager's last report ({age}): version {status.version}, {', '.join(parts)}{error}"
 
     def _collect_garbage(self, newest: int) -> None:
         status = read_status(self.status_path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from megatron_darl.channel.run_info import RunInfo
 from megatron_darl.config import RunConfig, load_config
-from megatron_darl.trainer.loop import Trainer, train_loop
+from megatron_darl.trainer.loop import DataStalled, Trainer, train_loop
 from megatron_darl.trainer.preemption import (
     Preempted,
     Preemption,
@@ -34,6 +35,7 @@ from megatron_darl.trainer.preemption import (
     rank_sync,
     world_size,
 )
+from megatron_darl.trainer.publication import NonFiniteWeights
 
 
 @dataclass
@@ -217,5 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config or info.config)
     if not torch.cuda.is_available():  # expected on CPU: Megatron's fallbacks are the CPU path
         warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed")
-    build_trainer(cfg, info).run()
+    try:
+        build_trainer(cfg, info).run()
+    except (DataStalled, NonFiniteWeights) as exc:  # a complete message: no traceback of ours to add
+        print(f"[rank{os.environ.get('RANK', '0')}] darl-train stopped: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0

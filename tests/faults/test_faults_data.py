@@ -7,6 +7,10 @@ the loader's metrics (`rollout/prompts_rejected...`, which the rollout manager r
 learner's TensorBoard) and named with file:line in the log, all before the first draw; none may
 ever be drawn. A generated source (reasoning-gym, checked as drawn) logs and counts each
 rejection when it happens.
+
+And a live rollout side that writes nothing (every group dropped by the equal-reward filter: no
+answer of these rows can be right) stops the learner after `train.data_wait_timeout_s`, naming
+the step and what the rollout manager last reported, instead of a wait without a bound.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 
 from megatron_darl.config.data import DataConfig
 from megatron_darl.data.sources import build_loader
+from tests.helpers.e2e import assert_nothing_left, new_run
 
 GOOD = [("What is 2 + 3?", "#### 5"), ("Tom has 4 apples and eats 1. How many are left?", "#### 3"),
         ("What is 7 - 2?", "#### 5"), ("What is 3 * 3?", "#### 9")]
@@ -123,3 +128,26 @@ def test_demo_model_on_the_probe_file_trains_and_reports_every_dropped_row(tmp_p
         log = fh.read()
     for line, reason in bad_lines.items():
         assert f"{path}:{line}: {reason}" in log, (line, reason)
+
+
+@pytest.mark.slow  # a darl-train run that waits for the bound
+@pytest.mark.timeout(300)
+def test_a_rollout_side_that_writes_nothing_stops_the_learner_naming_the_stall(tmp_path, warm_model):
+    data = tmp_path / "unanswerable.jsonl"  # 9 digits: the demo's 4 new tokens cannot hold the answer
+    data.write_bytes(b"\n".join(row(f"What is {a} + {b}?", "#### 987654321") for a in range(8) for b in range(8)))
+    run = new_run(tmp_path, warm_model, "stall", rollout={"filter_equal_rewards": True},
+                  data={"source": f"jsonl:{data}", "prompt_template": "{question}", "dataset_kwargs": {}},
+                  train={"steps": 4, "data_wait_timeout_s": 20})
+    try:
+        run.start()
+        code = run.wait(240)
+        out = run.output()
+        assert code != 0, out[-4000:]
+        assert "step 0: no batch of 8 groups (8 never trained) within 20 s" in out, out[-4000:]
+        assert "the rollout manager's last report" in out and "train.data_wait_timeout_s (now 20 s)" in out, out[-4000:]
+        filtered = out.split("filtered (equal rewards) ", 1)[1].split(",", 1)[0]
+        assert float(filtered) > 0 and "groups written 0" in out, out[-4000:]
+        assert run.ledger() == []
+        assert_nothing_left(run, run.run_info()["run_id"])
+    finally:
+        run.kill()
