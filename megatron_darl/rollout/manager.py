@@ -48,8 +48,16 @@ COUNTERS = (
     "prompts_drawn", "groups_written", "samples_written", "filtered_groups", "groups_dropped",
     "episode_retries", "requests", "requeued_requests", "aborted_requests", "restarted_samples",
     "tokens_generated", "reward_sum", "engine_failures", "engine_restarts", "engine_recoveries",
-    "weight_updates", "weight_update_s_total", "weight_sync_fallbacks",
+    "weight_updates", "weight_update_s_total", "weight_sync_fallbacks", "requests_refused",
 )
+# answers that refuse the request, not the engine (SGLang and darl-engine: a field out of range, a
+# prompt past the context, a body or batch past a bound): the group is dropped, the engine stays up
+REFUSED_STATUSES = (400, 413, 422)
+
+
+class RequestRefused(RuntimeError):
+    """An engine refused a generation request with a 4xx naming what is wrong with it: no engine
+    would serve it, so its group is dropped at once (counted and logged), not re-run."""
 
 
 class TrajectorySink(Protocol):
@@ -426,7 +434,8 @@ class RolloutManager:
         return slot
 
     async def _acall(self, slot: _Slot, req: GenerateRequest) -> GenerateResponse | None:
-        """One request; None when it failed (the engine is then down) or was cancelled with it."""
+        """One request; None when it failed (the engine is then down) or was cancelled with it;
+        `RequestRefused` when the engine refused the request itself (REFUSED_STATUSES)."""
         fut = asyncio.ensure_future(slot.engine.agenerate(req))
         slot.add(req.rid, fut, self._clock())
         try:
@@ -445,6 +454,9 @@ class RolloutManager:
             return None  # its engine was marked down by another request
         exc = fut.exception()
         if exc is not None:
+            if getattr(exc, "status", None) in REFUSED_STATUSES:  # the request's fault, not the engine's
+                self._count["requests_refused"] += 1
+                raise RequestRefused(f"engine {slot.engine.url} refused request {req.rid}: {exc}") from exc
             self._mark_down(slot, f"request {req.rid} failed: {exc!r}")
             return None
         return fut.result()
@@ -629,6 +641,11 @@ class RolloutManager:
             trajs = await self._workflow.arun_episode(self, episode)
         except asyncio.CancelledError:
             raise  # stays in _active, hence in state_dict()
+        except RequestRefused as exc:  # every engine would refuse it: no re-run
+            self._retire(episode, accepted=False)
+            log.error("prompt %d dropped: %s", episode.uid, exc)
+            self._count["groups_dropped"] += 1
+            return
         except Exception as exc:
             episode.attempts += 1
             self._retire(episode, accepted=False)
@@ -697,6 +714,10 @@ class RolloutManager:
             state_path=self._state_answered, error=self._error,
             metrics={**{f"rollout/{k}": float(v) for k, v in c.items()},
                      "rollout/engine_busy_s": self._busy(),  # engine-seconds with requests in flight
+                     # what a learner waiting for data names (trainer/publication.py, rollout_report)
+                     "rollout/engines_up": float(sum(s.up for s in self._slots)),
+                     "rollout/inflight_groups": float(len(self._active)),
+                     **(self._gate.metrics() if hasattr(self._gate, "metrics") else {}),
                      **getattr(self._prompts, "metrics", dict)()},  # data rows dropped (rollout/prompts_rejected)
         ))
 

@@ -185,9 +185,15 @@ class GroupWorkflow:
         )
 
     async def arun_episode(self, client: SampleClient, episode: Episode) -> list[Trajectory] | None:
-        await asyncio.gather(*(
-            client.agenerate_sample(s, replace(self.sampling)) for s in episode.samples if not s.done
-        ))
+        tasks = [asyncio.ensure_future(client.agenerate_sample(s, replace(self.sampling)))
+                 for s in episode.samples if not s.done]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # one sample failed (or we are cancelled): its siblings stop too, so
+            for t in tasks:  # none keeps an engine slot or writes into a group that is re-run
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         rewards = await self.scorer.ascore(episode)
         if len(rewards) != len(episode.samples):
             raise ValueError(f"scorer returned {len(rewards)} rewards for {len(episode.samples)} samples "

@@ -1,5 +1,6 @@
 """Rollout manager against in-process fakes: uid accounting under engine kill and hang, partial
-rollouts across versions, the staleness gate, the DAPO filter, the state round trip, notices."""
+rollouts across versions, the staleness gate, the DAPO filter, the state round trip, notices, and
+a request an engine refuses (a 4xx: the group is dropped, the engine stays up)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from megatron_darl.channel.json_files import read_json
 from megatron_darl.channel.weight_notice import WeightNotice, publish_notice, read_status
 from megatron_darl.rollout.manager import RolloutManager
+from megatron_darl.rollout.sglang_client import EngineHTTPError
 from megatron_darl.rollout.staleness import StalenessGate
 from megatron_darl.types import WeightVersion
 from tests.helpers.rollout_fakes import (
@@ -428,3 +430,44 @@ def test_learner_notice_sets_what_the_gate_credits(tmp_path):
         await mgr.astop()
 
     asyncio.run(main())
+
+
+class RefusingEngine(FakeEngine):
+    """Answers 400 to every request of a prompt holding token 50, as SGLang and darl-engine answer
+    a prompt that does not fit the context beside max_new_tokens."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.refused = 0
+
+    async def agenerate(self, req):
+        if 50 in req.input_ids[:3]:
+            self.refused += 1
+            await asyncio.sleep(0.01)
+            raise EngineHTTPError(self.url, "/generate", 400, "input_ids: 3 tokens + max_new_tokens 8 > context 10")
+        return await super().agenerate(req)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_request_drops_its_group_and_keeps_the_engine(caplog):
+    """Was: any failed request marked its engine down; a prompt every engine refuses took every
+    engine down in turn and generation stopped."""
+    gate = StalenessGate(0, 100)
+    cfg, _, prompts, sink, wf = make(n_prompts=8, gate=gate)
+    prompts.items[5].input_ids = [5, 6, 50]
+    engines = [RefusingEngine(f"fake://{i}") for i in range(2)]
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink, gate=gate)
+        await asyncio.wait_for(mgr.arun(), 30)
+        return mgr.metrics()
+
+    with caplog.at_level("ERROR", logger="megatron_darl.rollout.manager"):
+        m = asyncio.run(main())
+    assert sorted(sink.uids) == [p.uid for p in prompts.items if p.uid != 105]
+    check_groups(sink, cfg)
+    assert m["rollout/engine_failures"] == 0 and m["rollout/engines_up"] == 2
+    assert m["rollout/groups_dropped"] == 1 and m["rollout/episode_retries"] == 0
+    assert 1 <= m["rollout/requests_refused"] == sum(e.refused for e in engines) <= cfg.group_size
+    assert gate.rejected == 1 and gate.running == 0
+    assert "prompt 105 dropped: engine fake://" in caplog.text and "HTTP 400" in caplog.text
