@@ -99,6 +99,9 @@ class ParallelConfig:
         return world_size // self.model_parallel_size
 
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a larger step size overflows
+
+
 @dataclass
 class OptimConfig:
     """Adam optimizer, gradient clipping and learning-rate schedule."""
@@ -125,8 +128,8 @@ class OptimConfig:
 
     def check(self) -> list[tuple[str, str]]:
         errors = []
-        if self.lr < 0 or self.min_lr < 0:
-            errors.append(("lr", "lr and min_lr must be >= 0"))
+        if not (0 <= self.lr <= FP32_MAX and 0 <= self.min_lr <= FP32_MAX):  # NaN fails both
+            errors.append(("lr", f"lr and min_lr must be finite, >= 0 and <= {FP32_MAX:.4g} (the optimizer's float32)"))
         if self.min_lr > self.lr:
             errors.append(("min_lr", f"min_lr={self.min_lr} exceeds lr={self.lr}"))
         if self.lr_decay_style != "constant" and not self.lr_decay_steps:

@@ -5,7 +5,9 @@ answers with NaN log-probs. The learner must never announce such weights: a publ
 holds NaN or Inf raises, naming the tensor and the version, leaves the weight notice as it was
 (the engines keep the last good version) and removes the folder. Shown with a stand-in learner
 (exact control of which tensor is bad) and with the real Megatron-Core learner, whose parameter
-is set to NaN before its real export.
+is set to NaN before its real export; and end to end, a `darl-train` run whose learner weights
+turn NaN after two steps stops at version 2 naming it and the tensor, with nothing of version 2
+published and nothing left running.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatron_darl.channel.ports import free_port
 from megatron_darl.channel.weight_notice import read_notice
 from megatron_darl.trainer.publication import Publisher
 from tests.helpers import repo_env
+from tests.helpers.e2e import assert_nothing_left, new_run
 
 
 
@@ -161,3 +164,56 @@ def test_real_learner_with_a_nan_parameter_does_not_publish(tmp_path):
     # the exported (Hugging Face) name of layer 0's MLP output projection, and the version
     assert "model.layers.0.mlp.down_proj.weight: 1 NaN" in out["error"] and "weight version 1" in out["error"]
     assert out["notice_version"] == 0
+
+
+# Loaded by every Python process of the run through PYTHONPATH; acts only in the trainer rank: a
+# NaN lands in one weight after DARL_TEST_NAN_AT train steps, as a diverging update would put it.
+NAN_INJECTION = r"""
+import os, sys
+if "megatron_darl.trainer" in sys.orig_argv and os.environ.get("DARL_TEST_NAN_AT"):
+    import torch
+    from megatron_darl.trainer import publication
+
+    at, original = int(os.environ["DARL_TEST_NAN_AT"]), publication.Publisher.publish
+
+    def publish(self, version, *args, **kwargs):
+        if version == at:
+            name, param = [(n, p) for n, p in self.learner.chunks[0].named_parameters() if "linear_fc2" in n][0]
+            with torch.no_grad():
+                param.view(-1)[5] = float("nan")
+        return original(self, version, *args, **kwargs)
+
+    publication.Publisher.publish = publish
+"""
+
+
+@pytest.mark.slow  # a whole darl-train run
+@pytest.mark.timeout(300)
+def test_a_run_whose_weights_turn_nan_stops_at_that_version_naming_it(tmp_path, warm_model):
+    """A real `darl-train` run (launcher, engine, rollout manager, Megatron-Core learner) whose
+    weights hold a NaN after its second step: version 2 is not published, the run stops naming
+    the version and the tensor, the engines keep version 1 and nothing is left running."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(NAN_INJECTION)
+    env = dict(os.environ, DARL_TEST_NAN_AT="2",
+               PYTHONPATH=os.pathsep.join([str(inject), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    # weights on disk in the run folder, so that what was (not) published can be read after the run
+    run = new_run(tmp_path, warm_model, "nan", train={"steps": 6}, rollout={"weight_sync": "disk"})
+    run.env = env
+    try:
+        run.start()
+        code = run.wait(240)
+        out = run.output()
+        info = run.run_info()
+        assert code != 0, out[-4000:]
+        assert "weight version 2 (the policy after 2 train steps) has non-finite values in 1 tensor(s): " \
+               "model.layers.0.mlp.down_proj.weight: 1 NaN, 0 Inf" in out, out[-4000:]
+        assert "It was not published" in out, out[-4000:]
+        assert read_notice(info["notice"]).weights.version == 1  # the engines kept version 1
+        assert os.path.isdir(os.path.join(info["weights_root"], "v1"))
+        assert not os.path.isdir(os.path.join(info["weights_root"], "v2"))
+        assert [row["step"] for row in run.ledger()] == [0, 1]  # nothing trained after it
+        assert_nothing_left(run, info["run_id"])
+    finally:
+        run.kill()

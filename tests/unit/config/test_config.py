@@ -59,6 +59,14 @@ def test_bad_choice_lists_allowed_values():
     assert "algo.pmis_beta='uniform'" in str(exc.value) and "'ess', 'tokens', 'balance'" in str(exc.value)
 
 
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1e-5", "1e39"])
+def test_a_learning_rate_the_optimizer_cannot_use_is_refused_before_start(lr):
+    """NaN passed `lr < 0` and trained NaN; 1e39 overflowed float32 in the first Adam step."""
+    with pytest.raises(ConfigError, match=r"optim\.lr.*must be finite, >= 0 and <= 3\.403e\+38"):
+        load_config(None, MODEL + [f"optim.lr={lr}", "optim.min_lr=0"])
+    assert load_config(None, MODEL + ["optim.lr=3e38"]).optim.lr == 3e38
+
+
 def test_invalid_combination_is_refused():
     with pytest.raises(ConfigError) as exc:
         load_config(None, MODEL + ["algo.policy_loss=decoupled", "algo.recompute_proximal=false", "algo.pmis=false"])
