@@ -117,11 +117,12 @@ class DataConfig:
             return []
         errs = []
         try:
-            if SourceSpec.parse(self.source).kind != "reasoning_gym":
-                errs.append(("partition", "hash partitions a procedural task (data.source: reasoning_gym:<name>); "
-                             "a file source is split by its files (data.eval_source)"))
+            kind = SourceSpec.parse(self.source).kind
         except ValueError:
-            pass  # reported as data.source
+            kind = None  # a malformed data.source is reported under its own key
+        if kind not in (None, "reasoning_gym"):
+            errs.append(("partition", "hash partitions a procedural task (data.source: reasoning_gym:<name>); "
+                         "a file source is split by its files (data.eval_source)"))
         if self.eval_source is not None:
             errs.append(("eval_source", "must be unset with partition=hash (the test split is part of data.source)"))
         if not 0.0 < self.test_frac < 1.0:
