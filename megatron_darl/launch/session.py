@@ -35,6 +35,7 @@ from megatron_darl.channel.announcements import read_announcements, stop_path
 from megatron_darl.channel.json_files import read_json
 from megatron_darl.channel.run_info import RunInfo, read_marker, write_marker
 from megatron_darl.config import RunConfig, save_resolved
+from megatron_darl.launch import stopping
 from megatron_darl.launch.api import Placement
 from megatron_darl.launch.engine_host import host_error_path, host_starting_path, probe_path
 from megatron_darl.trainer.checkpoints import load_rollout_state, resolve_resume, rollout_sidecar
@@ -159,12 +160,14 @@ class RunSession:
         if self.cfg.model.hf_dir == warmstart.BUILTIN_MODEL:
             self.log(f"warm start of the built-in model (demo.sft_steps={self.cfg.demo.sft_steps}; cached in "
                      f"{os.path.join(self.cfg.train.run_dir, 'model')})")
-        self.cfg = warmstart.prepare_model(self.cfg)
+        self.cfg = warmstart.prepare_model(self.cfg)  # its steps call stopping.raise_pending()
+        stopping.raise_pending()
         info = self.info = self.prepare()
         self.log("starting engines")
         self.placement.start_engines(info)
         self.log(f"engines healthy: {', '.join(self.engine_urls(info))}")
         before = self._evaluate("before RL") if self._eval_enabled(info.resume) else None
+        stopping.raise_pending()  # the last point at which a stop needs no checkpoint
         self.log("training: starting the rollout manager and the learners")
         self.placement.start_rollout(info)
         write_marker(info.learners_go, info.attempt)
@@ -212,6 +215,7 @@ class RunSession:
         budget = self.cfg.launch.engine_startup_s(self.cfg.rollout.backend)
         hosts = HostClock(info, max(1, self.cfg.launch.rollout_nodes), budget)
         while True:
+            stopping.raise_pending()
             self._raise_host_errors(info)
             self.placement.check()
             if info.engine_urls:
@@ -257,11 +261,11 @@ class RunSession:
         """Signal handler: the learners checkpoint and stop (at once if they wait for data)."""
         if self.stopping:
             return
-        if not self.learners_started:
-            raise Stopped(signum)
+        if not self.learners_started:  # recorded too: a raise that lands in a finalizer is lost
+            raise stopping.record(Stopped(signum))
         if self.evaluating_final:  # the learners are done and the policy exported
             self.evaluating_final = False
-            raise Stopped(signum, "during the evaluation after training")
+            raise stopping.record(Stopped(signum, "during the evaluation after training"))
         if self.preempted_at is None:
             self.preempted_at = time.monotonic()
             self.log(f"received {signal.Signals(signum).name}: learners checkpoint and stop "
@@ -303,6 +307,7 @@ class RunSession:
         except Stopped as why:
             if final is None:
                 raise
+            stopping.clear()
             self.log(f"evaluation {label} skipped ({why}); training finished: the policy is in {final} "
                      f"(darl-eval --model {final} scores it)")
             return None

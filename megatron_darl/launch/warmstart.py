@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from megatron_darl.config.learner import BUILTIN_MODEL, TINY_QWEN3
+from megatron_darl.launch import stopping
 
 if TYPE_CHECKING:
     import torch
@@ -276,6 +277,7 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
     test_history: list[list[float]] = []  # [step, test accuracy] of every check
     bar = trange(steps, desc="warm start (SFT)", unit="step", mininterval=1.0)
     for step in bar:
+        stopping.raise_pending()  # a preemption the launcher's handler raised into a finalizer
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         ids, labels, attn = answer_batch(tok, loader.next_batch(batch))

@@ -1,0 +1,32 @@
+"""A preemption signal the launcher must not lose before training starts.
+
+What it is: `record(exc)` (the launcher's signal handler keeps the `Stopped` it raises) and
+`raise_pending()` (raise it again, once). An exception raised inside a signal handler is
+dropped when the signal lands while Python runs a finalizer (a `__del__` or a weakref callback
+prints "Exception ignored in ..." and goes on): a SIGTERM during the warm start was lost so, and
+the run trained on for minutes. So the loops of the phases before training (each warm-start step,
+the wait for engines) and the boundaries between phases call `raise_pending()`: a dropped
+exception costs at most one step of its phase. `clear()` when a stop was handled.
+What it is not: the handler (`session.RunSession.preempt`) or the learners' stop at a step
+boundary (trainer/), which reads a flag and needs none of this.
+"""
+
+from __future__ import annotations
+
+_pending: list[BaseException] = []
+
+
+def record(exc: BaseException) -> BaseException:
+    """Keep `exc` as the pending stop and return it (for the handler to raise)."""
+    _pending[:] = [exc]
+    return exc
+
+
+def raise_pending() -> None:
+    """Raise the pending stop, if any (once: it is no longer pending after)."""
+    if _pending:
+        raise _pending.pop()
+
+
+def clear() -> None:
+    _pending.clear()

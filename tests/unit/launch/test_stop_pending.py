@@ -1,0 +1,57 @@
+"""A preemption signal is not lost when its exception is: the launcher's handler raises `Stopped`
+and records it (launch/stopping.py), because Python drops an exception raised while it runs a
+finalizer ("Exception ignored in ..."). A real warm start (tiny model, demo data) whose stop is
+raised into a finalizer -- as the suite saw a SIGTERM land in `regex`'s `Group.__del__` and the
+warm start train on for minutes -- stops at its next step and writes no model folder."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import pytest
+
+from megatron_darl.config import load_config
+from megatron_darl.launch import stopping, warmstart
+from megatron_darl.launch.session import Stopped
+
+DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "cpu_demo_darl.yaml")
+
+
+class _Finalizer:
+    """An object whose finalizer raises what the handler raises when the signal lands in it."""
+
+    def __del__(self):
+        raise stopping.record(Stopped(signal.SIGTERM))
+
+
+def test_a_pending_stop_is_raised_once_and_clear_forgets_it():
+    stopping.raise_pending()  # nothing pending: nothing happens
+    _Finalizer()  # its exception is dropped ("Exception ignored in ..."), the stop stays pending
+    with pytest.raises(Stopped, match="SIGTERM before training started"):
+        stopping.raise_pending()
+    stopping.raise_pending()  # once
+    stopping.record(Stopped(signal.SIGTERM))
+    stopping.clear()
+    stopping.raise_pending()
+
+
+def test_a_stop_lost_in_a_finalizer_ends_the_warm_start_at_its_next_step(tmp_path, monkeypatch):
+    cfg = load_config(DEMO, [f"train.run_dir={tmp_path}", "demo.sft_steps=200", "demo.sft_target=0"])
+    real, steps = warmstart.answer_batch, []
+
+    def batch(tok, prompts):
+        steps.append(len(prompts))
+        if len(steps) == 3:
+            _Finalizer()  # the stop is raised into a finalizer during the third step and lost there
+        return real(tok, prompts)
+
+    monkeypatch.setattr(warmstart, "answer_batch", batch)
+    try:
+        with pytest.raises(Stopped):
+            warmstart.prepare_model(cfg)
+    finally:
+        stopping.clear()
+    assert len(steps) == 3, f"the warm start went on for {len(steps) - 3} steps after the stop"
+    assert not glob.glob(os.path.join(str(tmp_path), "model*")), "a stopped warm start wrote a model folder"
