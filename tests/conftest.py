@@ -1,9 +1,10 @@
 """Shared pytest setup: one thread per process (2-core machines), GPU tests skip with a reason,
 and the fixtures more than one folder uses, defined once: `warm_model` (a warm-started tiny model,
 made once per session), `demo_tok` (the demo tokenizer) and `sandbox_runs_here` (the code sandbox
-runs on this machine). Harnesses live in `tests/helpers/`. The expected-skips check
-(`--expected-skips FILE`, tests/helpers/expected_skips.py) is registered here: a pass whose skips
-differ from its list fails."""
+runs on this machine). Harnesses live in `tests/helpers/`. Two plugins are registered here: the
+expected-skips check (`--expected-skips FILE`, tests/helpers/expected_skips.py: a pass whose skips
+differ from its list fails) and the measured durations (tests/helpers/durations.py: `slow` marks
+and the `--fast` tier from tests/durations.json, `--record-durations`)."""
 
 import os
 
@@ -13,7 +14,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from tests.helpers.expected_skips import pytest_addoption, pytest_configure  # noqa: E402,F401  (the plugin's hooks)
+from tests.helpers import durations, expected_skips  # noqa: E402
+
+
+def pytest_addoption(parser):
+    expected_skips.pytest_addoption(parser)
+    durations.pytest_addoption(parser)
+
+
+def pytest_configure(config):
+    expected_skips.pytest_configure(config)
+    durations.pytest_configure(config)
 
 
 def _has_cuda() -> bool:

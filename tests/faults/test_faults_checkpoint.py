@@ -234,7 +234,6 @@ def test_read_only_checkpoint_folder_is_refused_before_start(tmp_path, warm_mode
 
 
 @needs_mounts
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_full_disk_fails_fast_with_the_cause_and_leaves_no_partial_checkpoint(tmp_path, warm_model):
     from tests.helpers.e2e import new_run
@@ -258,7 +257,6 @@ def test_full_disk_fails_fast_with_the_cause_and_leaves_no_partial_checkpoint(tm
     assert not [n for n in left if n.endswith(".tmp") or ".rollout.json" in n], left  # no partial checkpoint
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, warm_model):
     """A probe that held, kept as a test: kill -9 of the rollout manager after a checkpoint names

@@ -97,7 +97,6 @@ def test_generated_source_rejections_are_logged_and_counted_when_drawn(demo_tok,
     assert all(len(p.input_ids) <= 9 for p in drawn)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_model_on_the_probe_file_trains_and_reports_every_dropped_row(tmp_path):
     """Issue 15.5 and 15.6 end to end: `darl-train` with the built-in demo model (warm start on
@@ -130,7 +129,6 @@ def test_demo_model_on_the_probe_file_trains_and_reports_every_dropped_row(tmp_p
         assert f"{path}:{line}: {reason}" in log, (line, reason)
 
 
-@pytest.mark.slow  # a darl-train run that waits for the bound
 @pytest.mark.timeout(300)
 def test_a_rollout_side_that_writes_nothing_stops_the_learner_naming_the_stall(tmp_path, warm_model):
     data = tmp_path / "unanswerable.jsonl"  # 9 digits: the demo's 4 new tokens cannot hold the answer

@@ -48,7 +48,6 @@ def _replacement(run, announcement: Path, timeout_s: float) -> list[str] | None:
     return None
 
 
-@pytest.mark.slow  # a whole darl-train run with its evaluations
 @pytest.mark.timeout(600)
 def test_engine_killed_mid_run_the_run_still_ends_with_its_evaluation(tmp_path, warm_model):
     """Fails on the launcher before the engine hosts: exit 1, no summary.json (the evaluation
@@ -138,7 +137,6 @@ class RejectingEngine:
         self._thread.join(10)
 
 
-@pytest.mark.slow  # a whole darl-train run (warm start, checkpoint, stop), twice
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one_rank", "tp2"])
 def test_sigterm_while_learners_wait_for_data_checkpoints_and_stops(tmp_path, warm_model, ranks):

@@ -187,7 +187,6 @@ if "megatron_darl.trainer" in sys.orig_argv and os.environ.get("DARL_TEST_NAN_AT
 """
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_a_run_whose_weights_turn_nan_stops_at_that_version_naming_it(tmp_path, warm_model):
     """A real `darl-train` run (launcher, engine, rollout manager, Megatron-Core learner) whose

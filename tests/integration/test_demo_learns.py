@@ -58,7 +58,6 @@ def reduced_demo(tmp_path) -> DarlRun:
     return DarlRun(path, run_dir, str(tmp_path / "demo.out"), env=dead_proxy_env(dict(os.environ)))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_the_demo_recipe_learns_at_reduced_size(tmp_path):
     run = reduced_demo(tmp_path).run_to_end(600)

@@ -13,7 +13,6 @@ BALANCE = {"algo": {"max_head_offpolicyness": 1, "replay": True, "k": 2, "sg": T
                     "ppo_n_minibatches": 2}}
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_balance_run_finishes_with_exact_snapshots(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "balance", **BALANCE)

@@ -33,7 +33,6 @@ def _transformers_accuracy(cfg_path: str, model_dir: str, n: int) -> float:
     return right / n
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(240)
 def test_darl_eval_matches_transformers_greedy(tmp_path, warm_model):
     cfg_path = write_config(str(tmp_path / "eval.yaml"), base_config(str(tmp_path / "run"), warm_model))

@@ -11,7 +11,6 @@ import pytest
 from tests.helpers.e2e import DarlRun, base_config, new_run, write_config
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_then_resume_continues(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "preempt", algo={"max_head_offpolicyness": 1}, train={"steps": 60})

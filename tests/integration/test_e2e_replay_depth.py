@@ -22,7 +22,6 @@ DEPTH = {"algo": {"max_head_offpolicyness": 2, "replay": True, "k": 4, "sg": Tru
          "train": {"steps": 10, "batch_prompts": BATCH}}
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(400)
 def test_eta2_k4_trains_full_batches_and_replays(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "depth", **DEPTH)

@@ -44,7 +44,6 @@ def newest_checkpoint(run_dir: str) -> tuple[int, dict]:
         return steps[-1], json.load(fh)
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_kill_learner_then_resume_trains_every_prompt_once(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "resume", algo={"max_head_offpolicyness": 1},

@@ -82,7 +82,6 @@ def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
     assert failures and max(failures) == 0, "the engine was never marked down"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_path, warm_model):
     """rollout.weight_sync=distributed: every version reaches the server through one group it
@@ -114,7 +113,6 @@ def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_p
     assert fallbacks and max(fallbacks) == 0
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_darl_train_with_pause_mode_in_place_asks_for_no_flush(tmp_path, warm_model):
     """pause_mode=in_place keeps the running requests and their KV through every update, and the

@@ -60,7 +60,6 @@ def _term_and_wait(run: DarlRun) -> tuple[int, str]:
     return code, run.output()
 
 
-@pytest.mark.slow  # one darl-train run per state
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("state", sorted(STATES))
 def test_sigterm_outside_a_train_step_ends_cleanly(tmp_path, warm_model, state):
@@ -87,7 +86,6 @@ def test_sigterm_outside_a_train_step_ends_cleanly(tmp_path, warm_model, state):
         run.kill()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sigterm_during_a_checkpoint_save_completes_it_and_stops_at_the_next_step(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, "save", algo={"max_head_offpolicyness": 1}, train={"steps": 400},

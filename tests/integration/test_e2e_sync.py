@@ -23,7 +23,6 @@ SYNC = {"algo": {"max_head_offpolicyness": 0, "replay": False, "sg": False, "pmi
                  "old_logprob": "proximal", "ppo_n_minibatches": 2}}
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(300)
 def test_eta0_is_synchronous_and_reproducible(tmp_path, warm_model, monkeypatch):
     runs = [new_run(tmp_path, warm_model, f"sync{i}", **SYNC) for i in range(2)]

@@ -80,7 +80,6 @@ def test_only_due_versions_are_evaluated_and_eval_time_is_taken_out(tmp_path, wa
     assert again["perf/eval_s"] > 0 and again["eval/wall_s"] == pytest.approx(out["eval/wall_s"], abs=0.5)
 
 
-@pytest.mark.slow  # a whole darl-train run
 @pytest.mark.timeout(420)
 def test_a_run_logs_accuracy_every_n_steps(tmp_path, warm_model):
     run = new_run(tmp_path, warm_model, eval={"num_problems": 40, "every_steps": 2}, data={"eval_size": 40},

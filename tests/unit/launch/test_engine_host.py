@@ -70,7 +70,6 @@ def _flags(argv: list[str]) -> dict[str, str]:
     return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--max-batch", "--seed", "--threads", "--model")}
 
 
-@pytest.mark.slow  # about 40 s: three engine starts
 @pytest.mark.timeout(400)
 def test_host_announces_replaces_and_stops(tmp_path):
     info, proc = _run(tmp_path)
@@ -101,7 +100,6 @@ def test_host_announces_replaces_and_stops(tmp_path):
             proc.wait()
 
 
-@pytest.mark.slow  # about 15 s: one engine start
 @pytest.mark.timeout(300)
 def test_host_announces_with_a_dead_proxy_exported(tmp_path):
     """HPC sites export proxies on compute nodes; before, the health probe went to the proxy and

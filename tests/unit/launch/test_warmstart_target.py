@@ -43,7 +43,6 @@ def test_sft_target_out_of_range_is_refused():
         load_config(DEMO, ["demo.sft_target=1.5"])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_warm_start_stops_at_the_held_out_target_and_scores_as_greedy_decoding(tmp_path):
     from megatron_darl.eval.periodic import PeriodicEvaluator
@@ -71,7 +70,6 @@ def test_warm_start_stops_at_the_held_out_target_and_scores_as_greedy_decoding(t
     assert abs(scores.mean() - stats["sft_heldout_accuracy"]) < 1e-6, (scores.mean(), stats)
 
 
-@pytest.mark.slow  # 12 s quiet, 2 min on the loaded shared machine
 @pytest.mark.timeout(300)
 def test_a_target_out_of_reach_runs_every_step_and_says_so(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_darl.launch.warmstart"):

@@ -117,7 +117,6 @@ print("ok", flush=True)
 """
 
 
-@pytest.mark.slow  # about 25 s: the main rank's waits are longer than the collective timeout
 @pytest.mark.timeout(120)
 def test_the_other_ranks_wait_for_the_main_one_outside_any_collective(tmp_path):
     """Before, they waited in a broadcast (for the batch) or an all-reduce (the preemption flag,

@@ -40,7 +40,6 @@ def read_groups(ring: ShmRing, n_records: int, timeout_s: float) -> list:
     return out
 
 
-@pytest.mark.slow  # about 30 s: an engine, the manager process and a reward worker start
 @pytest.mark.timeout(150)
 def test_manager_process_end_to_end(tmp_path):
     torch.manual_seed(0)

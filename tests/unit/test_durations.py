@@ -1,0 +1,78 @@
+"""The measured-durations plugin (tests/helpers/durations.py), run as a developer runs it: pytest
+in a subprocess over a tiny test folder with its own durations file, the plugin loaded with `-p`.
+A test measured at >= 10 s is marked slow (`-m "not slow"` leaves it out), `--fast` also leaves
+out the tests measured at >= 2 s and says how many, a test without an entry runs in every tier,
+and `--record-durations` writes what this run measured, keeping the entries of tests it did not
+run and dropping those of tests that no longer exist."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import repo_env
+from tests.helpers.durations import read_durations, write_durations
+
+TESTS = '''
+import time
+
+def test_long():
+    pass
+
+def test_medium():
+    pass
+
+def test_short():
+    time.sleep(0.3)
+
+def test_new():
+    pass
+'''
+
+
+def pytest_run(folder, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.durations", "-p", "no:cacheprovider",
+               "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), "--durations-file",
+               str(folder / "durations.json"), str(folder), "-v", *args]
+    return subprocess.run(command, cwd=folder, env=repo_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: measured\n")
+    (tmp_path / "test_tiny.py").write_text(TESTS)
+    write_durations({"test_tiny.py::test_long": 12.0, "test_tiny.py::test_medium": 3.0,
+                     "test_tiny.py::test_short": 0.1, "test_tiny.py::test_gone": 50.0}, str(tmp_path / "durations.json"))
+    return tmp_path
+
+
+def _ran(out: str) -> list[str]:
+    return sorted(line.split("::")[1].split()[0] for line in out.splitlines() if " PASSED" in line)
+
+
+def test_not_slow_leaves_out_what_was_measured_at_10_s(folder):
+    done = pytest_run(folder, "-m", "not slow")
+    assert done.returncode == 0, done.stdout
+    assert _ran(done.stdout) == ["test_medium", "test_new", "test_short"]
+
+
+def test_fast_leaves_out_what_was_measured_at_2_s_and_says_so(folder):
+    done = pytest_run(folder, "--fast")
+    assert done.returncode == 0, done.stdout
+    assert _ran(done.stdout) == ["test_new", "test_short"]
+    assert "--fast: left out 2 tests" in done.stdout and "1 tests have no measured duration" in done.stdout
+
+
+def test_record_writes_this_runs_durations_keeping_the_deselected_and_dropping_the_gone(folder):
+    done = pytest_run(folder, "-m", "not slow", "--record-durations")
+    assert done.returncode == 0, done.stdout
+    got = read_durations(str(folder / "durations.json"))
+    assert sorted(got) == ["test_tiny.py::test_long", "test_tiny.py::test_medium", "test_tiny.py::test_new",
+                           "test_tiny.py::test_short"]
+    assert got["test_tiny.py::test_long"] == 12.0  # not run: kept as measured before
+    assert 0.3 <= got["test_tiny.py::test_short"] < 5.0 and got["test_tiny.py::test_medium"] < 2.0
+    assert "durations: wrote 4 tests" in done.stdout
+    assert json.loads((folder / "durations.json").read_text())["about"]
