@@ -10,7 +10,7 @@ verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay
   of tokens); the warm start must lie in 10-35% or it stops before the main runs;
 - `etas`: every method tuned on one grid at one eta, then run at eta = 1, 2, 4, 8, and D-ARL's
   ablations;
-- `quick`: CI, a few minutes;
+- `quick`: CI, about 4 minutes: decoupled PPO and D-ARL at eta = 1, 2 seeds, 4 steps each;
 - `budget` (issue 30): the sample budget as the stop. 2-term chain_sum split by question hash
   into disjoint train / validation / test sets, a warm start of a fixed 450 steps, curves on
   1000 test questions (greedy, and avg@4 at temperature 1) every 4096 generated samples; every
