@@ -139,6 +139,7 @@ class RunSession:
         print(f"[launcher] {msg}", flush=True)
 
     def run(self) -> int:
+        stopping.quiet_when_dropped()  # a stop Python drops in a finalizer is deferred, not an error
         try:
             return self._run()
         except Stopped as why:  # a clean stop, as a preemption during training is: exit 0

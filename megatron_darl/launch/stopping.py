@@ -7,11 +7,15 @@ prints "Exception ignored in ..." and goes on): a SIGTERM during the warm start 
 the run trained on for minutes. So the loops of the phases before training (each warm-start step,
 the wait for engines) and the boundaries between phases call `raise_pending()`: a dropped
 exception costs at most one step of its phase. `clear()` when a stop was handled.
+`quiet_when_dropped()` keeps Python from printing the dropped stop as an error ("Exception
+ignored in ...", a traceback in the launcher's output): it is not lost, only deferred.
 What it is not: the handler (`session.RunSession.preempt`) or the learners' stop at a step
 boundary (trainer/), which reads a flag and needs none of this.
 """
 
 from __future__ import annotations
+
+import sys
 
 _pending: list[BaseException] = []
 
@@ -30,3 +34,16 @@ def raise_pending() -> None:
 
 def clear() -> None:
     _pending.clear()
+
+
+def quiet_when_dropped() -> None:
+    """Install a `sys.unraisablehook` that says nothing for the pending stop (Python drops it in a
+    finalizer; `raise_pending` raises it again) and reports everything else as Python would."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if _pending and unraisable.exc_value is _pending[0]:
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

@@ -5,8 +5,11 @@ teardown, as a full run of the README's test command measured them on the 2-core
 - every test measured at `SLOW_S` (10 s) or more is marked `slow`, so `-m "not slow"` leaves
   out what the measurement says is slow, not what someone once guessed;
 - `--fast` also leaves out every test measured at `FAST_S` (2 s) or more (end-to-end runs, Slurm
-  jobs, multi-process learners, sandboxed programs, subprocess imports) and says how many it left
-  out and how long they took when measured: the README's fast command;
+  jobs, multi-process learners, sandboxed programs, subprocess imports), and every test that uses
+  a shared fixture (module or session scope) measured at `FIXTURE_S` (5 s) or more to set up --
+  the first test of a module pays for it, so leaving only that test out would move the cost to
+  the next -- and says how many it left out and how long they took when measured: the README's
+  fast command;
 - `--record-durations` rewrites the file (`--durations-file FILE`: another one) from this run (tests that did not run keep their entry,
   tests that no longer exist are dropped), printing how many entries changed.
 A test without an entry (new since the last recording) runs in every tier, and `--fast` says how
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
 
 import pytest
@@ -26,21 +30,31 @@ import pytest
 FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "durations.json")
 SLOW_S = 10.0
 FAST_S = 2.0
+FIXTURE_S = 5.0  # a module- or session-wide fixture this slow to set up leaves its users out of --fast
 
 
-def read_durations(path: str = FILE) -> dict[str, float]:
+def _read(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as fh:
-        doc = json.load(fh)
-    return {str(k): float(v) for k, v in doc.get("seconds", {}).items()}
+        return json.load(fh)
 
 
-def write_durations(seconds: dict[str, float], path: str = FILE) -> None:
+def read_durations(path: str = FILE) -> dict[str, float]:
+    return {str(k): float(v) for k, v in _read(path).get("seconds", {}).items()}
+
+
+def read_fixtures(path: str = FILE) -> dict[str, float]:
+    """Seconds to set up each shared (module-, class-, package- or session-scoped) fixture."""
+    return {str(k): float(v) for k, v in _read(path).get("fixtures", {}).items()}
+
+
+def write_durations(seconds: dict[str, float], path: str = FILE, fixtures: dict[str, float] | None = None) -> None:
     doc = {"about": "seconds per test (setup + call + teardown) of a full run of the README's test command on the "
                     "2-core build machine; rewritten by `python -m pytest --record-durations`; tests/helpers/"
                     "durations.py marks tests at >= %g s slow and `--fast` leaves out tests at >= %g s"
                     % (SLOW_S, FAST_S),
+           "fixtures": {k: round(v, 2) for k, v in sorted((fixtures or {}).items())},
            "seconds": {k: round(v, 2) for k, v in sorted(seconds.items())}}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=0)
@@ -62,8 +76,9 @@ class Durations:
 
     def __init__(self, config) -> None:
         self.config, self.path = config, config.getoption("durations_file")
-        self.known = read_durations(self.path)
+        self.known, self.fixtures = read_durations(self.path), read_fixtures(self.path)
         self.measured: dict[str, float] = defaultdict(float)
+        self.measured_fixtures: dict[str, float] = {}
         self.collected: list[str] = []
 
     @pytest.hookimpl(tryfirst=True)  # before `-m` reads the marks
@@ -75,8 +90,10 @@ class Durations:
         if not config.getoption("fast"):
             return
         keep, out = [], []
+        heavy = {name for name, secs in self.fixtures.items() if secs >= FIXTURE_S}
         for item in items:
-            slow = self.known.get(item.nodeid, 0.0) >= FAST_S or item.get_closest_marker("slow") is not None
+            slow = (self.known.get(item.nodeid, 0.0) >= FAST_S or item.get_closest_marker("slow") is not None
+                    or bool(heavy & set(getattr(item, "fixturenames", ()))))
             (out if slow else keep).append(item)
         if out:
             config.hook.pytest_deselected(items=out)
@@ -88,9 +105,17 @@ class Durations:
         if not config.getoption("fast") or not hasattr(self, "left_out"):
             return None
         n, secs, unknown = self.left_out
-        return (f"--fast: left out {n} tests measured at >= {FAST_S:g} s or marked slow ({secs / 60:.0f} min when "
+        return (f"--fast: left out {n} tests measured at >= {FAST_S:g} s, marked slow or using a shared fixture "
+                f"measured at >= {FIXTURE_S:g} s ({secs / 60:.0f} min when "
                 f"measured: end-to-end runs, Slurm jobs, multi-process learners, sandboxed programs, subprocess "
                 f"imports); {unknown} tests have no measured duration yet (--record-durations)")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        t0 = time.perf_counter()
+        yield
+        if fixturedef.scope != "function":  # paid once by the first test that uses it
+            self.measured_fixtures[fixturedef.argname] = time.perf_counter() - t0
 
     def pytest_runtest_logreport(self, report) -> None:
         self.measured[report.nodeid] += report.duration
@@ -102,7 +127,7 @@ class Durations:
         merged = {k: v for k, v in self.known.items() if k in collected or not self.collected}
         merged.update(self.measured)
         changed = sum(1 for k, v in merged.items() if round(self.known.get(k, -1.0), 2) != round(v, 2))
-        write_durations(merged, self.path)
+        write_durations(merged, self.path, {**self.fixtures, **self.measured_fixtures})
         writer = self.config.pluginmanager.get_plugin("terminalreporter")
         if writer:
             writer.write_line(f"durations: wrote {len(merged)} tests ({changed} changed) to {self.path}")

@@ -2,7 +2,9 @@
 and records it (launch/stopping.py), because Python drops an exception raised while it runs a
 finalizer ("Exception ignored in ..."). A real warm start (tiny model, demo data) whose stop is
 raised into a finalizer -- as the suite saw a SIGTERM land in `regex`'s `Group.__del__` and the
-warm start train on for minutes -- stops at its next step and writes no model folder."""
+warm start train on for minutes -- stops at its next step and writes no model folder; and the
+launcher does not print the dropped stop as an error (`quiet_when_dropped`), while any other
+exception a finalizer drops is still reported."""
 
 from __future__ import annotations
 
@@ -35,6 +37,26 @@ def test_a_pending_stop_is_raised_once_and_clear_forgets_it():
     stopping.record(Stopped(signal.SIGTERM))
     stopping.clear()
     stopping.raise_pending()
+
+
+def test_a_dropped_stop_is_not_printed_as_an_error_and_anything_else_is(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: seen.append(u.exc_value))  # as Python's, recording
+    stopping.quiet_when_dropped()
+    try:
+        _Finalizer()
+        assert seen == []  # the launcher's output shows no "Exception ignored in ..." for it
+        with pytest.raises(Stopped):
+            stopping.raise_pending()
+
+        class Broken:
+            def __del__(self):
+                raise ValueError("a real error in a finalizer")
+
+        Broken()
+        assert [type(e) for e in seen] == [ValueError]  # still reported
+    finally:
+        stopping.clear()
 
 
 def test_a_stop_lost_in_a_finalizer_ends_the_warm_start_at_its_next_step(tmp_path, monkeypatch):

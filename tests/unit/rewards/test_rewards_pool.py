@@ -79,8 +79,10 @@ def test_spinning_parser_is_cut_off_and_pool_keeps_working(pool):
 
 
 def test_grader_errors_score_zero_and_are_counted(pool):
+    pool.score([math("\\boxed{1}", "1")] * 2)  # the workers start on first use (this test may be the first)
     before = pool.metrics()["rollout/reward_errors"]
     pids = pool.worker_pids()
+    assert len(pids) == 2
     results = pool.score([custom("raises"), custom("nan"), math("\\boxed{1}", "1"),
                           RewardInput("q", "x", "math", answer={})])
     assert [r.status for r in results] == ["error", "error", "ok", "error"]
