@@ -33,20 +33,25 @@ FAST_S = 2.0
 FIXTURE_S = 5.0  # a module- or session-wide fixture this slow to set up leaves its users out of --fast
 
 
-def _read(path: str) -> dict:
+def read(path: str = FILE) -> tuple[dict[str, float], dict[str, float]]:
+    """(node id -> seconds, shared fixture -> seconds to set up) from one reading of `path`."""
     if not os.path.isfile(path):
-        return {}
+        return {}, {}
     with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+        doc = json.load(fh)
+    return ({str(k): float(v) for k, v in doc.get("seconds", {}).items()},
+            {str(k): float(v) for k, v in doc.get("fixtures", {}).items()})
 
 
-def read_durations(path: str = FILE) -> dict[str, float]:
-    return {str(k): float(v) for k, v in _read(path).get("seconds", {}).items()}
+def fixture_key(fixturedef) -> str:
+    """A shared fixture's entry: where it is defined and its name (modules may reuse a name)."""
+    return f"{fixturedef.baseid}::{fixturedef.argname}" if fixturedef.baseid else fixturedef.argname
 
 
-def read_fixtures(path: str = FILE) -> dict[str, float]:
-    """Seconds to set up each shared (module-, class-, package- or session-scoped) fixture."""
-    return {str(k): float(v) for k, v in _read(path).get("fixtures", {}).items()}
+def fixture_keys(item) -> set[str]:
+    """The entries of the fixtures in effect for `item` (the innermost definition of each name)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return {fixture_key(d[-1]) for name in getattr(item, "fixturenames", ()) if (d := defs.get(name))}
 
 
 def write_durations(seconds: dict[str, float], path: str = FILE, fixtures: dict[str, float] | None = None) -> None:
@@ -76,10 +81,11 @@ class Durations:
 
     def __init__(self, config) -> None:
         self.config, self.path = config, config.getoption("durations_file")
-        self.known, self.fixtures = read_durations(self.path), read_fixtures(self.path)
+        self.known, self.fixtures = read(self.path)
         self.measured: dict[str, float] = defaultdict(float)
         self.measured_fixtures: dict[str, float] = {}
         self.collected: list[str] = []
+        self.left_out: tuple[int, float, int] | None = None  # --fast: (tests, their measured s, unmeasured kept)
 
     @pytest.hookimpl(tryfirst=True)  # before `-m` reads the marks
     def pytest_collection_modifyitems(self, config, items) -> None:
@@ -90,10 +96,10 @@ class Durations:
         if not config.getoption("fast"):
             return
         keep, out = [], []
-        heavy = {name for name, secs in self.fixtures.items() if secs >= FIXTURE_S}
+        heavy = {key for key, secs in self.fixtures.items() if secs >= FIXTURE_S}
         for item in items:
             slow = (self.known.get(item.nodeid, 0.0) >= FAST_S or item.get_closest_marker("slow") is not None
-                    or bool(heavy & set(getattr(item, "fixturenames", ()))))
+                    or bool(heavy & fixture_keys(item)))
             (out if slow else keep).append(item)
         if out:
             config.hook.pytest_deselected(items=out)
@@ -102,7 +108,7 @@ class Durations:
                          sum(1 for i in keep if i.nodeid not in self.known))
 
     def pytest_report_collectionfinish(self, config, start_path, items) -> str | None:
-        if not config.getoption("fast") or not hasattr(self, "left_out"):
+        if self.left_out is None:
             return None
         n, secs, unknown = self.left_out
         return (f"--fast: left out {n} tests measured at >= {FAST_S:g} s, marked slow or using a shared fixture "
@@ -114,8 +120,9 @@ class Durations:
     def pytest_fixture_setup(self, fixturedef, request):
         t0 = time.perf_counter()
         yield
-        if fixturedef.scope != "function":  # paid once by the first test that uses it
-            self.measured_fixtures[fixturedef.argname] = time.perf_counter() - t0
+        if fixturedef.scope != "function":  # paid once by the first test that uses it (per parameter)
+            key = fixture_key(fixturedef)
+            self.measured_fixtures[key] = max(self.measured_fixtures.get(key, 0.0), time.perf_counter() - t0)
 
     def pytest_runtest_logreport(self, report) -> None:
         self.measured[report.nodeid] += report.duration

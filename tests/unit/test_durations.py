@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.helpers import repo_env
-from tests.helpers.durations import read_durations, read_fixtures, write_durations
+from tests.helpers.durations import read, write_durations
 
 TESTS = '''
 import time
@@ -65,7 +65,7 @@ def folder(tmp_path):
     write_durations({"test_tiny.py::test_long": 12.0, "test_tiny.py::test_medium": 3.0,
                      "test_tiny.py::test_short": 0.1, "test_tiny.py::test_gone": 50.0,
                      "test_shared.py::test_first_user": 6.1, "test_shared.py::test_second_user": 0.1},
-                    str(tmp_path / "durations.json"), fixtures={"big": 6.0})
+                    str(tmp_path / "durations.json"), fixtures={"test_shared.py::big": 6.0})
     return tmp_path
 
 
@@ -90,11 +90,11 @@ def test_fast_leaves_out_what_was_measured_at_2_s_and_says_so(folder):
 def test_record_writes_this_runs_durations_keeping_the_deselected_and_dropping_the_gone(folder):
     done = pytest_run(folder, "-m", "not slow", "--record-durations")
     assert done.returncode == 0, done.stdout
-    got = read_durations(str(folder / "durations.json"))
+    got, fixtures = read(str(folder / "durations.json"))
     assert sorted(got) == ["test_shared.py::test_first_user", "test_shared.py::test_second_user",
                            "test_tiny.py::test_long", "test_tiny.py::test_medium", "test_tiny.py::test_new",
                            "test_tiny.py::test_short"]
-    assert 0.2 <= read_fixtures(str(folder / "durations.json"))["big"] < 5.0  # measured, the old 6 s replaced
+    assert 0.2 <= fixtures["test_shared.py::big"] < 5.0  # measured, the old 6 s replaced
     assert got["test_tiny.py::test_long"] == 12.0  # not run: kept as measured before
     assert 0.3 <= got["test_tiny.py::test_short"] < 5.0 and got["test_tiny.py::test_medium"] < 2.0
     assert "durations: wrote 6 tests" in done.stdout
