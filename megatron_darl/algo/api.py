@@ -46,6 +46,8 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | kl_estimates, staleness_histogram, masked_quantile | dict / 0-dim | diagnostics parts |
 """
 
+import sys
+
 from .advantages import grpo_advantages, rloo_advantages
 from .diagnostics import diagnostics, kl_estimates, masked_quantile, staleness_histogram
 from .importance import rollout_is_weights
@@ -116,3 +118,10 @@ __all__ = [
     "version_token_counts",
     "weighted_surrogate",
 ]
+
+# `megatron_darl.algo` re-exports this contract and loads it on first use (its __init__). Whoever
+# imports this module first, the package then holds these functions, and a function wins over
+# the submodule of the same name (`algo.diagnostics` is the function), as a star import did.
+_package = sys.modules[__name__.rpartition(".")[0]]
+for _name in __all__:
+    setattr(_package, _name, globals()[_name])

@@ -156,7 +156,8 @@ def test_tests_import_their_helpers_as_a_package():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("first", ["megatron_darl.config", "megatron_darl.learner.checks",
+@pytest.mark.parametrize("first", ["megatron_darl.config.load", "megatron_darl.config.run",
+                                   "megatron_darl.learner.checks",
                                    "megatron_darl.learner.memory_plan", "megatron_darl.launch.warmstart",
                                    "megatron_darl.launch.slurm_job", "megatron_darl.launch.slurm",
                                    "megatron_darl.launch.local", "megatron_darl.rollout.manager_process",
@@ -164,5 +165,21 @@ def test_tests_import_their_helpers_as_a_package():
                                    "megatron_darl.trainer.rank", "megatron_darl.algo.config"])
 def test_each_module_of_the_old_circles_imports_first(first):
     out = subprocess.run([sys.executable, "-c", f"import {first}"], capture_output=True, text=True, timeout=120,
+                         cwd=str(PACKAGE.parent))
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_reading_a_config_imports_no_torch_and_algo_loads_on_first_use():
+    # every process reads the config; a reward worker or the launcher must not pay for torch
+    # to do it. `algo` loads its functions on first use; its `diagnostics` is the function
+    # whichever of its modules was imported first.
+    code = ("import sys; import megatron_darl.config.run, megatron_darl.config.load, megatron_darl.rewards.worker; "
+            "from megatron_darl.config import load_config, RunConfig; assert 'torch' not in sys.modules, 'torch'; "
+            "import megatron_darl.algo.diagnostics; from megatron_darl import algo; "
+            "assert callable(algo.grpo_advantages) and 'torch' in sys.modules; "
+            "assert callable(algo.diagnostics) and algo.diagnostics.__module__.endswith('diagnostics'); "
+            "ns = {}; exec('from megatron_darl.algo import *', ns); assert 'darl_policy_loss' in ns; "
+            "assert 'ppo_loss' in dir(algo)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(PACKAGE.parent))
     assert out.returncode == 0, out.stderr[-2000:]

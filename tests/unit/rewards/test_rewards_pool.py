@@ -125,6 +125,21 @@ def test_concurrent_batches_share_the_workers(pool):
     assert [r.score for r in second] == [pytest.approx(0.3)] * 3
 
 
+def test_workers_grade_math_and_procedural_items_without_torch():
+    # a worker reads one config section; through `megatron_darl.config` it used to import every
+    # section, `algo`, and torch: 300 MB and seconds of start-up per worker (120 MB without)
+    entry = {"question": "2 + 3 =", "answer": "5", "metadata": {}}
+    items = [math("\\boxed{2}", "2"), RewardInput("q", "<answer>5</answer>", "procedural",
+                                                  {"dataset": "chain_sum", "entry": entry})]
+    with RewardPool(RewardConfig(num_workers=2)) as fresh:
+        assert [r.score for r in fresh.score(items)] == [1.0, 1.0]
+        pids = fresh.worker_pids()
+        assert len(pids) == 2
+        for pid in pids:
+            with open(f"/proc/{pid}/maps", encoding="utf-8") as fh:
+                assert "libtorch" not in fh.read(), f"reward worker {pid} loaded torch"
+
+
 def test_bad_function_path_fails_at_start():
     with pytest.raises(ValueError, match="no_such_module"):
         RewardPool(RewardConfig(fn="no_such_module:f"))
