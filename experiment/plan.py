@@ -161,7 +161,7 @@ SIZES: dict[str, Size] = {
         name="quick", methods=("decoupled_areal", "darl"), ablations=(), etas=(1,),
         seeds=(0, 1), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=4, every=2,
         settings=("demo.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40", "data.eval_size=40",
-                  "algo.warmup=0", "logging.tensorboard=false", "demo.min_step_s=0.5")),
+                  "algo.warmup=0", "logging.tensorboard=true", "demo.min_step_s=0.5")),
     "etas": Size(
         name="etas", methods=tuple(MAIN_METHODS), ablations=tuple(ABLATIONS), etas=(1, 2, 4, 8),
         seeds=(0, 1, 2), lr_grid=(2.5e-5, 5e-5, 1e-4), tune_eta=4, tune_seeds=(0,), steps=25, every=5,

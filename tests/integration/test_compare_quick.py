@@ -1,6 +1,7 @@
 """`scripts/compare_async.py --quick` end to end: real `darl-train` runs (decoupled PPO and D-ARL at
 eta 1, two seeds, 4 steps) into a temporary folder, then what only real runs can show: every run
-finished with an evaluation at versions 2 and 4 and paced steps, D-ARL replayed and both logged
+finished with an evaluation at versions 2 and 4 (metrics.jsonl and TensorBoard, the step, samples
+and wall-clock of each, the last one the launcher's final evaluation) and paced steps, D-ARL replayed and both logged
 their KL and clip fraction, the table and D-ARL's paired tests come from those runs, and a
 second invocation (`--report-only`) reuses every finished run (nothing is run twice) with the same
 tables. The form of the outputs for four methods (markdown rows, plots, JSON) is checked on
@@ -25,6 +26,28 @@ def _compare(out: str, *extra: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def check_periodic_evaluation(run_dir: str) -> None:
+    """`eval.every_steps=2` in a real 4-step run (eval/periodic.py): held-out accuracy at versions
+    2 and 4 only, in metrics.jsonl and TensorBoard, logged with the step whose update made that
+    version, with the generated samples and the wall-clock without evaluation time; the last
+    figure is the launcher's own evaluation of the final model."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        evals = [r for r in map(json.loads, fh) if "eval/accuracy" in r]
+    assert [r["eval/version"] for r in evals] == [2.0, 4.0], run_dir
+    assert [r["step"] for r in evals] == [1, 3]
+    # the rollout manager's counters (its status is rewritten every second, so they may lag a step)
+    assert 0 < evals[0]["eval/samples_generated"] <= evals[1]["eval/samples_generated"]
+    for r in evals:
+        assert 0 <= r["eval/wall_s"] <= r["time"] - r["perf/eval_s"]
+    with open(os.path.join(run_dir, "summary.json")) as fh:
+        assert evals[-1]["eval/accuracy"] == pytest.approx(json.load(fh)["accuracy_after"])
+    acc = EventAccumulator(os.path.join(run_dir, "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [1, 3]
+
+
 def check_outputs(out: str, stdout: str) -> dict:
     """The checks of one finished `--quick` folder and its stdout; returns the JSON object."""
     last = json.loads(stdout.strip().splitlines()[-1])
@@ -45,9 +68,9 @@ def check_outputs(out: str, stdout: str) -> dict:
     assert all(bool(r["reused_frac"]) == (r["method"] == "darl") for r in runs.values())
     assert all(r["kl_k3"] is not None and r["clip_frac"] is not None for r in runs.values())
     for name in runs:  # every run's curve has the warm start and each in-loop evaluation
+        check_periodic_evaluation(os.path.join(out, "runs", name))
         with open(os.path.join(out, "runs", name, "metrics.jsonl")) as fh:
             rows = [json.loads(line) for line in fh]
-        assert [r["eval/version"] for r in rows if "eval/accuracy" in r] == [2.0, 4.0]
         # the quick size paces the learner (demo.min_step_s=0.5): no step is shorter
         assert all(r["perf/step_s"] >= 0.5 and r["perf/pace_s"] >= 0.0 for r in rows)
     for axis in ("steps", "samples", "wall_s"):

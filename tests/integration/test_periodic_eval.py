@@ -4,19 +4,19 @@ existing evaluation gives.
 (a) On the same model folder, the in-process evaluator scores every held-out problem exactly as
 the engine-served evaluation of `darl-eval` and the launcher (`eval/session.py` through a real
 embedded engine over HTTP) does, on a model that answers some problems right and some wrong.
-(b) A real `darl-train` run with `eval.every_steps=2` logs `eval/accuracy` at versions 2 and 4
-only (metrics.jsonl and TensorBoard), with the generated samples and the wall-clock without
-evaluation time, and its last figure is the launcher's own evaluation of the final model.
+(b) Only due versions are evaluated, and evaluation time is taken out of the wall-clock. A real
+`darl-train` run with `eval.every_steps=2` is checked on the quick comparison's runs
+(`check_periodic_evaluation` in tests/integration/test_compare_quick.py): accuracy at versions 2
+and 4 only, in metrics.jsonl and TensorBoard, the last one the launcher's final evaluation.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest
 
-from tests.helpers.e2e import assert_nothing_left, base_config, new_run, write_config
+from tests.helpers.e2e import base_config, write_config
 
 from megatron_darl.config import load_config
 
@@ -78,29 +78,3 @@ def test_only_due_versions_are_evaluated_and_eval_time_is_taken_out(tmp_path, wa
     assert again["eval/accuracy"] == out["eval/accuracy"]  # same weights, same greedy answers
     # nothing but evaluation happened between the two calls: the wall-clock without it stood still
     assert again["perf/eval_s"] > 0 and again["eval/wall_s"] == pytest.approx(out["eval/wall_s"], abs=0.5)
-
-
-@pytest.mark.timeout(420)
-def test_a_run_logs_accuracy_every_n_steps(tmp_path, warm_model):
-    run = new_run(tmp_path, warm_model, eval={"num_problems": 40, "every_steps": 2}, data={"eval_size": 40},
-                  logging={"progress": False, "tensorboard": True})
-    run.run_to_end(360)
-    rows = run.metrics()
-    evals = [r for r in rows if "eval/accuracy" in r]
-    assert [r["eval/version"] for r in evals] == [2.0, 4.0]
-    assert [r["step"] for r in evals] == [1, 3]  # logged with the step whose update made that version
-    # the rollout manager's counters (its status is rewritten every second, so they may lag a step)
-    assert 0 < evals[0]["eval/samples_generated"] <= evals[1]["eval/samples_generated"]
-    for r in evals:
-        assert 0 <= r["eval/wall_s"] <= r["time"] - r["perf/eval_s"]
-    import json
-
-    with open(os.path.join(run.run_dir, "summary.json")) as fh:
-        summary = json.load(fh)
-    assert evals[-1]["eval/accuracy"] == pytest.approx(summary["accuracy_after"])
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(os.path.join(run.run_dir, "tb"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("eval/accuracy")] == [1, 3]
-    assert_nothing_left(run, run.run_info()["run_id"])
