@@ -29,6 +29,10 @@ from megatron_darl.data.procedural import EVAL_SEED_OFFSET, ProceduralSource
 BUCKETS = 1000
 STRIDE = 32  # underlying entries per training record (a miss on all: p ~ 0.2^32)
 SCAN = 400  # a held-out split scans at most SCAN * size underlying entries for its distinct questions
+# ... and stops sooner once this many draws in a row brought no question it had not seen (a task
+# of Q questions with D < Q seen does that with chance (D / Q)^EXHAUSTED: only when all but a few
+# are seen)
+EXHAUSTED = 10_000
 SPLIT_SEED = {"eval": EVAL_SEED_OFFSET, "validation": 2 * EVAL_SEED_OFFSET}
 HELD_OUT_KEY = {"eval": "data.eval_size", "validation": "data.val_size"}
 
@@ -84,18 +88,25 @@ class HeldOutSplit:
         self.inner = ProceduralSource(dataset, size=size * SCAN, seed=seed + SPLIT_SEED[split],
                                       dataset_kwargs=dataset_kwargs)
         self.name = f"reasoning_gym:{dataset}[seed={seed},partition={want},size={size}]"
-        seen: set[str] = set()
+        seen: set[str] = set()  # distinct questions of every split
         self.indices: list[int] = []
-        for j in range(size * SCAN):
-            q = self.inner.record(j).question
-            if q not in seen and split_of(q, test_frac, val_frac) == want:
-                seen.add(q)
-                self.indices.append(j)
+        draws, last_new = 0, 0
+        for draws in range(1, size * SCAN + 1):
+            q = self.inner.record(draws - 1).question
+            if q in seen:
+                if draws - last_new >= EXHAUSTED:  # the task has no more questions to give
+                    break
+                continue
+            seen.add(q)
+            last_new = draws
+            if split_of(q, test_frac, val_frac) == want:
+                self.indices.append(draws - 1)
                 if len(self.indices) == size:
                     break
         if len(self.indices) < size:
             raise ValueError(f"{HELD_OUT_KEY[split]}={size}: the {want} split of reasoning_gym:{dataset} holds "
-                             f"only {len(self.indices)} distinct questions in {size * SCAN} draws; lower "
+                             f"only {len(self.indices)} distinct questions in {draws} draws ({len(seen)} distinct "
+                             f"in all splits, none new in the last {draws - last_new}); lower "
                              f"{HELD_OUT_KEY[split]} or raise data.{'test' if want == 'test' else 'val'}_frac")
         self.report = DataReport(source=self.name, rows=size)
 
