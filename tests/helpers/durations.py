@@ -10,8 +10,9 @@ teardown, as a full run of the README's test command measured them on the 2-core
   the first test of a module pays for it, so leaving only that test out would move the cost to
   the next -- and says how many it left out and how long they took when measured: the README's
   fast command;
-- `--record-durations` rewrites the file (`--durations-file FILE`: another one) from this run (tests that did not run keep their entry,
-  tests that no longer exist are dropped), printing how many entries changed.
+- `--record-durations` rewrites the file (`--durations-file FILE`: another one) from this run,
+  printing how many entries changed. Tests that did not run keep their entry (a run over a few
+  files re-measures only theirs); an entry goes when its file ran without it, or its file is gone.
 A test without an entry (new since the last recording) runs in every tier, and `--fast` says how
 many such tests there are.
 What it is not: a timer that fails slow tests (speed targets live in bench/) or a place for marks
@@ -127,11 +128,25 @@ class Durations:
     def pytest_runtest_logreport(self, report) -> None:
         self.measured[report.nodeid] += report.duration
 
+    def _kept(self) -> dict[str, float]:
+        """The recorded entries that stay: all but those of a file this run collected that no
+        longer holds them, and those of a file that is gone (a file not run keeps its entries)."""
+        if not self.collected:
+            return dict(self.known)
+        ids = set(self.collected)
+        files = {n.split("::")[0] for n in ids}
+        root = str(self.config.rootpath)
+
+        def stays(nodeid: str) -> bool:
+            path = nodeid.split("::")[0]
+            return nodeid in ids if path in files else os.path.exists(os.path.join(root, path))
+
+        return {k: v for k, v in self.known.items() if stays(k)}
+
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         if not self.config.getoption("record_durations") or not self.measured:
             return
-        collected = set(self.collected)
-        merged = {k: v for k, v in self.known.items() if k in collected or not self.collected}
+        merged = self._kept()
         merged.update(self.measured)
         changed = sum(1 for k, v in merged.items() if round(self.known.get(k, -1.0), 2) != round(v, 2))
         write_durations(merged, self.path, {**self.fixtures, **self.measured_fixtures})

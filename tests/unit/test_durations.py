@@ -50,10 +50,10 @@ def test_second_user(big):
 '''
 
 
-def pytest_run(folder, *args: str) -> subprocess.CompletedProcess:
+def pytest_run(folder, *args: str, target: str = "") -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.durations", "-p", "no:cacheprovider",
                "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), "--durations-file",
-               str(folder / "durations.json"), str(folder), "-v", *args]
+               str(folder / "durations.json"), target or str(folder), "-v", *args]
     # only the plugin under test: the installed ones (hypothesis's costs 2.5 s a start) stay out
     return subprocess.run(command, cwd=folder, env=repo_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
                           capture_output=True, text=True, timeout=120)
@@ -66,7 +66,8 @@ def folder(tmp_path):
     (tmp_path / "test_shared.py").write_text(SHARED)
     write_durations({"test_tiny.py::test_long": 12.0, "test_tiny.py::test_medium": 3.0,
                      "test_tiny.py::test_short": 0.1, "test_tiny.py::test_gone": 50.0,
-                     "test_shared.py::test_first_user": 6.1, "test_shared.py::test_second_user": 0.1},
+                     "test_shared.py::test_first_user": 6.1, "test_shared.py::test_second_user": 0.1,
+                     "test_removed.py::test_x": 4.0},
                     str(tmp_path / "durations.json"), fixtures={"test_shared.py::big": 6.0})
     return tmp_path
 
@@ -101,3 +102,15 @@ def test_record_writes_this_runs_durations_keeping_the_deselected_and_dropping_t
     assert 0.3 <= got["test_tiny.py::test_short"] < 5.0 and got["test_tiny.py::test_medium"] < 2.0
     assert "durations: wrote 6 tests" in done.stdout
     assert json.loads((folder / "durations.json").read_text())["about"]
+
+
+def test_a_run_over_one_file_rewrites_only_its_entries(folder):
+    done = pytest_run(folder, "--record-durations", target=str(folder / "test_tiny.py"))
+    assert done.returncode == 0, done.stdout
+    got, _ = read(str(folder / "durations.json"))
+    # test_shared.py did not run: its entries stay as measured; test_tiny.py's are this run's, its
+    # gone test is dropped; test_removed.py no longer exists: dropped
+    assert got["test_shared.py::test_first_user"] == 6.1 and got["test_shared.py::test_second_user"] == 0.1
+    assert sorted(k for k in got if k.startswith("test_tiny.py")) == [
+        "test_tiny.py::test_long", "test_tiny.py::test_medium", "test_tiny.py::test_new", "test_tiny.py::test_short"]
+    assert got["test_tiny.py::test_long"] < 2.0 and "test_removed.py::test_x" not in got
