@@ -128,9 +128,10 @@ def test_concurrent_batches_share_the_workers(pool):
 def test_workers_grade_math_and_procedural_items_without_torch():
     # a worker reads one config section; through `megatron_darl.config` it used to import every
     # section, `algo`, and torch: 300 MB and seconds of start-up per worker (120 MB without)
-    entry = {"question": "2 + 3 =", "answer": "5", "metadata": {}}
-    items = [math("\\boxed{2}", "2"), RewardInput("q", "<answer>5</answer>", "procedural",
-                                                  {"dataset": "chain_sum", "entry": entry})]
+    from megatron_darl.rewards.procedural_grader import procedural_payload
+
+    payload = procedural_payload("chain_sum", {"question": "2 + 3 =", "answer": "5", "metadata": {}})
+    items = [math("\\boxed{2}", "2"), RewardInput("q", "<answer>5</answer>", "procedural", payload)]
     with RewardPool(RewardConfig(num_workers=2)) as fresh:
         assert [r.score for r in fresh.score(items)] == [1.0, 1.0]
         pids = fresh.worker_pids()
