@@ -12,8 +12,10 @@ Definitions (the README's Results section and docs/measurements.md quote them):
 - AUC: mean held-out accuracy over the first X generated samples (trapezoids, curve starting at
   the warm start), X the smallest sample count any run of that eta's table reached, so every
   row integrates over the same sample budget;
-- accuracy at the budget: held-out accuracy at X (the same X as the AUC's), linear between the
-  two evaluations around X;
+- accuracy at the budget: for runs scheduled by sample marks (eval.every_samples, the budget
+  size), the last evaluation whose mark is at or before X, the primary figures' definition
+  (experiment/primary.py), so the tables and the primary figures agree; for step-scheduled runs,
+  held-out accuracy at X (the same X as the AUC's), linear between the two evaluations around X;
 - samples to 80%: generated samples of the first evaluation at which a seed's accuracy reaches
   80% of the best decoupled accuracy (the highest seed-mean accuracy either decoupled variant
   reached at that eta): a measured point, not interpolated between evaluations (an upper bound
@@ -33,7 +35,7 @@ import math
 
 import numpy as np
 
-from experiment.api import DECOUPLED, RunResult
+from experiment.api import DECOUPLED, Curve, RunResult
 
 COLLAPSE_DROP = 0.10  # accuracy points (as a fraction) below the warm start
 THRESHOLD_FRAC = 0.8  # "samples to reach 80% of the best decoupled accuracy"
@@ -82,6 +84,16 @@ def first_reach(x: list[float], y: list[float], threshold: float) -> tuple[float
 def accuracy_at(x: list[float], y: list[float], budget: float) -> float:
     """Accuracy at `budget` samples, linear between the evaluations around it."""
     return float(np.interp(budget, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)))
+
+
+def run_accuracy_at(curve: Curve, budget: float) -> float:
+    """A run's accuracy at the budget: by sample mark where the curve has marks (the last
+    evaluation scheduled at or before `budget`), else `accuracy_at` over measured samples."""
+    if curve.marks and len(curve.marks) == len(curve.accuracy):
+        keep = [a for m, a in zip(curve.marks, curve.accuracy) if m <= budget]
+        if keep:
+            return float(keep[-1])
+    return accuracy_at(curve.samples, curve.accuracy, budget)
 
 
 def t_pvalue(t: float, df: int) -> float:
@@ -158,7 +170,7 @@ def cell_figures(runs: list[RunResult], x_common: float, threshold: float | None
     """The table row of one (method, eta) from its seeds."""
     final = mean_interval([r.final_accuracy for r in runs])
     aucs = mean_interval([auc(r.curve.samples, r.curve.accuracy, x_common) for r in runs])
-    at_budget = mean_interval([accuracy_at(r.curve.samples, r.curve.accuracy, x_common) for r in runs])
+    at_budget = mean_interval([run_accuracy_at(r.curve, x_common) for r in runs])
     reach = [first_reach(r.curve.samples, r.curve.accuracy, threshold) for r in runs] if threshold is not None else []
     reached = [s for s, _ in filter(None, reach)]
     stale_mean = [r.staleness_mean for r in runs if r.staleness_mean is not None]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 
-from experiment.analysis import COLLAPSE_DROP, THRESHOLD_FRAC, accuracy_at, auc, band, eta_figures, holm, paired_test
+from experiment.analysis import COLLAPSE_DROP, THRESHOLD_FRAC, auc, band, eta_figures, holm, paired_test, run_accuracy_at
 from experiment.api import METHODS, REPLAY_DEPTH, RunResult, Setting, darl_window
 from experiment.plan import Size
 
@@ -44,7 +44,7 @@ FIGURES = ("accuracy_at_budget", "auc", "final_accuracy")  # the decided figures
 def paired_tests(runs: list[RunResult], x_common: float, reference: str = "darl") -> list[dict]:
     """D-ARL against every other method of a table, per figure, paired by seed (p not corrected)."""
     def per_seed(method: str, fig: str) -> dict[int, float]:
-        fn = {"accuracy_at_budget": lambda r: accuracy_at(r.curve.samples, r.curve.accuracy, x_common),
+        fn = {"accuracy_at_budget": lambda r: run_accuracy_at(r.curve, x_common),
               "auc": lambda r: auc(r.curve.samples, r.curve.accuracy, x_common),
               "final_accuracy": lambda r: r.final_accuracy}[fig]
         return {r.spec.seed: fn(r) for r in runs if r.spec.method == method}

@@ -35,6 +35,19 @@ def test_accuracy_at_budget_is_the_last_evaluation_at_or_before_it_by_mark():
     assert Q.accuracy_at_budget(plain, 3 * EVERY) == 0.3
 
 
+def test_the_tables_accuracy_at_the_budget_is_the_primary_figure_for_marked_runs():
+    """The per-regime tables read the same figure as the primary tests: by mark, not interpolated
+    at the smallest measured sample count (which put two values under one name in the report)."""
+    from experiment.analysis import accuracy_at, run_accuracy_at
+
+    c = _curve([0.2, 0.25, 0.3, 0.35], over=300.0)  # the last evaluation read 300 samples past its mark
+    x_common = 3 * EVERY + 8
+    assert run_accuracy_at(c, x_common) == Q.accuracy_at_budget(c, 3 * EVERY) == 0.35
+    assert accuracy_at(c.samples, c.accuracy, x_common) < 0.35  # the old reading: between two evaluations
+    plain = Curve(c.steps, c.samples, c.wall_s, c.accuracy)  # step-scheduled: interpolated, as before
+    assert run_accuracy_at(plain, x_common) == pytest.approx(accuracy_at(c.samples, c.accuracy, x_common))
+
+
 def _naive_crossing(samples, acc, target):
     dense = np.linspace(samples[0], samples[-1], 2_000_001)
     y = np.interp(dense, samples, acc)
