@@ -86,13 +86,20 @@ def accuracy_at(x: list[float], y: list[float], budget: float) -> float:
     return float(np.interp(budget, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)))
 
 
+def accuracy_at_budget(curve: Curve, budget: float) -> float:
+    """Accuracy of the last evaluation at or before `budget` (by sample mark where recorded)."""
+    xs = curve.marks if len(curve.marks) == len(curve.accuracy) else curve.samples
+    keep = [i for i, x in enumerate(xs) if x <= budget]
+    if not keep:
+        raise ValueError(f"no evaluation at or before the budget {budget:g} (first at {xs[0]:g})")
+    return float(curve.accuracy[keep[-1]])
+
+
 def run_accuracy_at(curve: Curve, budget: float) -> float:
-    """A run's accuracy at the budget: by sample mark where the curve has marks (the last
-    evaluation scheduled at or before `budget`), else `accuracy_at` over measured samples."""
+    """A table's accuracy at the budget: `accuracy_at_budget` where the curve has sample marks (the
+    primary figures' definition), else `accuracy_at` over measured samples (step-scheduled runs)."""
     if curve.marks and len(curve.marks) == len(curve.accuracy):
-        keep = [a for m, a in zip(curve.marks, curve.accuracy) if m <= budget]
-        if keep:
-            return float(keep[-1])
+        return accuracy_at_budget(curve, budget)
     return accuracy_at(curve.samples, curve.accuracy, budget)
 
 

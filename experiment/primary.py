@@ -29,20 +29,11 @@ import math
 
 import numpy as np
 
-from experiment.analysis import holm, paired_test
+from experiment.analysis import accuracy_at_budget, holm, paired_test
 from experiment.api import Curve, RunResult
 
 METRICS = ("accuracy_at_budget", "samples_to_target")
 BOOTSTRAP_RESAMPLES = 9999
-
-
-def accuracy_at_budget(curve: Curve, budget: float) -> float:
-    """Accuracy of the last evaluation at or before `budget` (by sample mark where recorded)."""
-    xs = curve.marks if len(curve.marks) == len(curve.accuracy) else curve.samples
-    keep = [i for i, x in enumerate(xs) if x <= budget]
-    if not keep:
-        raise ValueError(f"no evaluation at or before the budget {budget:g} (first at {xs[0]:g})")
-    return float(curve.accuracy[keep[-1]])
 
 
 def samples_to_target(curve: Curve, target: float, budget: float) -> tuple[float, bool]:
@@ -150,19 +141,24 @@ def baseline_gains(runs: list[RunResult], size) -> dict[str, float]:
 
 def primary_figures(runs: list[RunResult], size) -> list[dict]:
     """`primary_definitions` filled in from the runs, Holm-corrected over these tests only."""
-    out = [compare(runs, size, d["regime"], d["a"], d["b"], d["metric"]) for d in primary_definitions(size)]
-    for row, p in zip(out, holm([math.nan if r["p"] is None else r["p"] for r in out])):
+    return _holm_within([compare(runs, size, d["regime"], d["a"], d["b"], d["metric"])
+                         for d in primary_definitions(size)])
+
+
+def _holm_within(rows: list[dict]) -> list[dict]:
+    """Sets each row's `p_holm`: Holm over these rows only (one family of tests)."""
+    for row, p in zip(rows, holm([math.nan if r["p"] is None else r["p"] for r in rows])):
         row["p_holm"] = None if math.isnan(p) else p
-    return out
+    return rows
 
 
 def diagnostic_tests(runs: list[RunResult], size) -> list[dict]:
     """Every other cell against the baseline and against D-ARL, per regime and metric: not
-    corrected with the primary tests (diagnostics, p as measured)."""
+    corrected with the primary tests; `p_holm` is Holm over the diagnostics only."""
     out = []
     for reg in size.regimes:
         cells = dict.fromkeys(r.spec.method for r in runs if r.spec.regime == reg.name)
         for m in [m for m in cells if m not in (size.baseline, "darl")]:
             out += [compare(runs, size, reg.name, m, ref, metric) for ref in (size.baseline, "darl")
                     for metric in METRICS if ref in cells]
-    return out
+    return _holm_within(out)

@@ -126,6 +126,6 @@ def budget_markdown(rep: dict) -> list[str]:
     if rep["sampled_primary"]:
         out += ["The same tests on avg@4 at temperature 1 (a diagnostic):", "", *_rows(rep["sampled_primary"], True), ""]
     if rep["diagnostics"]:
-        out += ["## Diagnostics (each other cell against the baseline and D-ARL; p not corrected)", "",
-                *_rows(rep["diagnostics"], False), ""]
+        out += ["## Diagnostics (each other cell against the baseline and D-ARL; p Holm over the diagnostics only)", "",
+                *_rows(rep["diagnostics"], True), ""]
     return out

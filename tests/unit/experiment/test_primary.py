@@ -111,6 +111,10 @@ def test_primary_tests_match_the_formulas_and_holm_covers_only_them():
     assert lo <= samples["ratio"] <= hi
     diag = Q.diagnostic_tests(runs, size)
     assert {(r["a"], r["b"]) for r in diag} == {("naive_replay", "decoupled_areal"), ("naive_replay", "darl")}
+    dp = [r["p"] for r in diag]  # a family of its own: Holm over the diagnostics' p only
+    dorder = np.argsort(dp)
+    dnaive = np.maximum.accumulate([min(1.0, (len(dp) - k) * dp[i]) for k, i in enumerate(dorder)])
+    assert [diag[i]["p_holm"] for i in dorder] == pytest.approx(list(dnaive))
 
 
 def test_the_design_is_decided_before_the_runs_and_a_changed_one_is_refused():

@@ -82,7 +82,7 @@ def test_every_primary_figure_follows_from_the_published_curves(report):
 def test_the_tables_accuracy_at_the_budget_matches_the_primary_figures(report):
     d = report["design"]
     for regime, spec in d["regimes"].items():
-        table = next(t for t in report["tables"].values() if t["title"].startswith(f"eta = {spec['eta']},"))
+        (table,) = [t for key, t in report["tables"].items() if key.startswith(f"{spec['eta']}/")]
         for method in d["methods"]:
             curves = _per_seed(report, regime, method).values()
             mean = np.mean([_at_budget(c, d["budget_samples"]) for c in curves])
