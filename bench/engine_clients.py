@@ -11,7 +11,7 @@ dropped and the tokens decoded after the hang-up), temperature 1e-40 and 1e-7 (s
 finite log-probs), 10,000-deep JSON, one request of 1M prompts (4.8 MiB), one 60 MiB prompt, one
 request at the limits (1024 prompts, 261,120 tokens), stalled bodies (408), clients that hang up
 halfway through their body, weight versions -5, 10**29 and backwards, max_new_tokens 10**9.
-What it is not: a test (tests/faults/test_faults_engine_clients.py is), or a throughput benchmark
+What it is not: a test (tests/faults/test_engine_clients.py is), or a throughput benchmark
 (`bench/engine.py`); latencies depend on the machine and on what else runs on it.
 
     python bench/engine_clients.py [--model HF_DIR] [--clients 500] [--threads 1]

@@ -11,7 +11,7 @@ in-flight sequences continue under the new weights with their KV recomputed. The
 instead of reaching an answer.
 What it is not: an HTTP server (that is `server.py`), a tokenizer (ids in, ids out), or
 a trainer: no autograd, no dropout. Measured faster than `transformers.generate()` on CPU with
-log-probs equal to transformers' within 1e-4 (tests/unit/rollout/test_engine_decoder.py;
+log-probs equal to transformers' within 1e-4 (tests/unit/engine/test_decoder.py;
 `python bench/engine.py` prints the speed ratio).
 """
 

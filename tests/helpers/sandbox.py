@@ -6,10 +6,10 @@ What it is: `sandbox_problem_here()` (None, or why not), found once per test ses
 a test skips with that reason, or FAILS where DARL_REQUIRE_SANDBOX=1 (.ci/run sets it: there the
 sandbox must run, as root and as a user); `SandboxMode`, one path of the sandbox for the
 parametrized containment tests ("namespaces" and "fallback" as root, "userns" as an ordinary
-user: as root, test_rewards_sandbox_user.py runs the userns tests as an unprivileged uid, so
+user: as root, test_sandbox_user.py runs the userns tests as an unprivileged uid, so
 CI's root pass covers both paths); and `sandbox_processes`, what is left running of sandboxed
 programs.
-What it is not: the refusal tests (test_rewards_sandbox_refusal.py check that the sandbox refuses).
+What it is not: the refusal tests (test_sandbox_refusal.py check that the sandbox refuses).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class SandboxMode:
         if self.root and not ROOT:
             pytest.skip(f"the {self.name} path runs as root; as uid {os.geteuid()} the userns tests run")
         if not self.root and ROOT:
-            pytest.skip("as root, test_rewards_sandbox_user.py runs the userns tests as an unprivileged uid")
+            pytest.skip("as root, test_sandbox_user.py runs the userns tests as an unprivileged uid")
         if self.name != "fallback":
             require_sandbox()
 

@@ -10,7 +10,7 @@ while it was still importing its modules. What each state adds:
 - a save that the signal lands in completes, and the run stops at the next step boundary with
   a checkpoint of its last step.
 Mid-training and waiting for data are tests/integration/test_e2e_preempt.py and
-tests/faults/test_faults_launch.py."""
+tests/faults/test_launch.py."""
 
 from __future__ import annotations
 

@@ -288,7 +288,7 @@ def test_distributed_update_bodies_fit_the_release_request_classes(release):
 def test_the_distributed_routes_answer_as_the_release_does(release):
     """The three routes exist as POST in the release, and the release answers them with
     {"success", "message"}, 200 on success and 400 on failure: the shape darl-engine and the
-    stand-in answer (test_engine_weight_group.py checks darl-engine's bodies)."""
+    stand-in answer (test_weight_group.py checks darl-engine's bodies)."""
     routes = release.routes
     for route in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
         assert "POST" in routes[route]

@@ -8,7 +8,7 @@ host's /tmp. Now the interpreter is bound read-only into the private /tmp at its
 test makes a real virtualenv under /tmp, runs the sandbox from its interpreter, and has the
 program's child process write (and read) the host's /tmp: neither may reach it.
 Both tests run along the root path and the user path ("userns": natively as a user, as root in
-test_rewards_sandbox_user.py). HumanEval's 164 canonical solutions must all pass and its 164
+test_sandbox_user.py). HumanEval's 164 canonical solutions must all pass and its 164
 prompts with an empty body must all fail. Needs what the sandbox needs; skipped, naming what is
 missing, where the machine does not give it (failed where DARL_REQUIRE_SANDBOX=1).
 """

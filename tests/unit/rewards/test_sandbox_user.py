@@ -27,8 +27,8 @@ from tests.helpers.require import SANDBOX, require, userns_problem
 from tests.helpers.sandbox import ROOT
 
 # every test of the user path: those with a userns case, and the pool killing a hung program's worker
-USERNS_TESTS = ["tests/unit/rewards/test_rewards_sandbox.py", "tests/faults/test_faults_sandbox.py",
-                "tests/unit/rewards/test_rewards_pool.py::test_hung_program_killed_with_its_worker"]
+USERNS_TESTS = ["tests/unit/rewards/test_sandbox.py", "tests/faults/test_sandbox.py",
+                "tests/unit/rewards/test_pool.py::test_hung_program_killed_with_its_worker"]
 TEST_UID = 1_900_000_000 + os.getpid() % 1_000_000  # a uid of its own, no name, no files
 
 
@@ -90,7 +90,7 @@ def _as_namespace_root(prefix: list[str]) -> dict:
 
 
 def test_root_of_a_user_namespace_takes_the_user_path():
-    require(SANDBOX, userns_problem())  # a machine that refuses them: test_rewards_sandbox_refusal.py
+    require(SANDBOX, userns_problem())  # a machine that refuses them: test_sandbox_refusal.py
     # as root, the namespace is made by an unprivileged uid: its root is that uid to the kernel
     out = _as_namespace_root(as_user(TEST_UID, []) if ROOT else [])
     assert (out["euid"], out["root_path"]) == (0, False)

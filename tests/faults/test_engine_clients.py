@@ -16,7 +16,7 @@ not hold and checks that it now does.
 Engines are real `darl-engine` processes on 127.0.0.1 (or the server in this process where a
 fault is injected or a route is called directly), always stopped.
 What it is not: the engine's protocol tests (tests/unit/engine/) or its other faults
-(test_faults_engine.py); `python bench/engine_clients.py` measures the same probes.
+(tests/faults/test_engine.py); `python bench/engine_clients.py` measures the same probes.
 """
 
 from __future__ import annotations

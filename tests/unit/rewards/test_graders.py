@@ -1,6 +1,6 @@
 """Graders called in-process: math-verify answers, reasoning-gym verifiers, code tests.
 
-The time limit is the pool's job (test_rewards_pool.py); here every input is well-behaved.
+The time limit is the pool's job (test_pool.py); here every input is well-behaved.
 """
 
 import pytest

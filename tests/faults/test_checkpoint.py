@@ -268,7 +268,7 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
     import signal
 
     from tests.helpers.e2e import DarlRun, assert_nothing_left, group_members, new_run, role_pid, run_groups
-    from test_e2e_resume import STEPS, _resume_config, loader_sequence, newest_checkpoint
+    from tests.integration.test_e2e_resume import STEPS, _resume_config, loader_sequence, newest_checkpoint
 
     run = new_run(tmp_path, warm_model, "mgr", algo={"max_head_offpolicyness": 1},
                   train={"steps": STEPS}, checkpoint={"every_steps": 2, "keep_last": 2})

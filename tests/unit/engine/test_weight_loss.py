@@ -7,8 +7,8 @@ transfer gets the whole version, engine 0 gets the fallback folder, which a rest
 loads, and the next version reaches the restarted engine over a new group. A peer that joined
 but stopped receiving (SIGSTOP, or a receiver that never receives) ends the broadcast at the
 sender's deadline, not the group's timeout. On NCCL, the same groups are built without the
-watchdog's teardown (checked here on CPU; the broadcast itself in tests/unit/learner/
-test_learner_gpu.py, marked gpu).
+watchdog's teardown (checked here on CPU; the broadcast itself in
+tests/unit/learner/test_gpu.py, marked gpu).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_darl.rollout.sglang_client import SGLangClient
 from megatron_darl.trainer import weight_sender as ws
 from megatron_darl.types import WeightVersion
 from tests.helpers.engines import running_engines, save_wide
-from tests.unit.engine.test_engine_weight_group import hf_buckets
+from tests.unit.engine.test_weight_group import hf_buckets
 
 
 async def _version(url: str) -> str:

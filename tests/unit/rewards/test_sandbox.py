@@ -4,7 +4,7 @@ Every test runs along each path of the sandbox (tests/helpers/sandbox.py's Sandb
 with namespaces (network, mount, PID) and a dropped uid, as root with the audit-hook fallback
 (`isolate=False`), and as an ordinary user ("userns": user namespaces, a new read-only root, a
 nested unprivileged uid). A path this process cannot take skips saying so: as root the userns
-tests run as an unprivileged uid in test_rewards_sandbox_user.py, as a user the root paths have
+tests run as an unprivileged uid in test_sandbox_user.py, as a user the root paths have
 no root. The unbounded fork bomb runs only after the bounded fork (64 processes) has shown the
 process limit holds, and under a watchdog that kills the sandbox's processes if they ever grow
 past the limit.
@@ -27,7 +27,7 @@ from tests.helpers.require import SANDBOX, require
 from tests.helpers.sandbox import ROOT, SandboxMode
 
 # a machine that refuses namespaces (a container without CAP_SYS_ADMIN) refuses isolate=True runs
-# (test_rewards_sandbox_refusal.py); the fallback still runs there
+# (test_sandbox_refusal.py); the fallback still runs there
 NO_NAMESPACES = ROOT and os.system("unshare --net --mount --pid --fork true >/dev/null 2>&1") != 0
 LIMITS = SandboxLimits(cpu_s=2, wall_s=8, memory_mb=512, max_procs=8, max_file_mb=4)
 
@@ -209,7 +209,7 @@ EXPECTED_ISOLATION = {"namespaces": {"net", "mount", "pid"}, "userns": {"user", 
 def test_namespaces_used_where_the_machine_allows(isolated):
     sandbox = isolated
     # an interpreter under /tmp (a virtualenv there) is bound into the private /tmp: still all
-    # (tests/faults/test_faults_sandbox.py runs one); only an interpreter whose prefix is /tmp has
+    # (tests/faults/test_sandbox.py runs one); only an interpreter whose prefix is /tmp has
     # no private /tmp, and there the program does not run
     if "/tmp" in {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}:
         with pytest.raises(SandboxRefused, match="prefix is /tmp"):
