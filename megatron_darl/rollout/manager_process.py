@@ -67,13 +67,27 @@ class EmbeddedEngineRestarter:
     """Starts `darl-engine` processes on this node (`astart_engine`) and replaces dead ones
     (`arestart`: kill what is left of the old process, start a new one on a fresh port with the
     same flags, wait for /health_generate). The replacement serves the initial weights; the
-    manager pushes the current version before it takes requests. `pids` are processes started
-    by someone else, killed on restart of their index. Logs go to `<log_dir>/engine<i>.log`."""
+    manager pushes the current version before it takes requests."""
 
     def __init__(self, model_dir: str, *, api_key: str | None = None, threads: int = 1, host: str = "127.0.0.1",
                  startup_timeout_s: float = 300.0, request_timeout_s: float = 600.0,
                  pids: dict[int, int] | None = None, log_dir: str | None = None, max_batch: int = 64,
                  seed: int = 0) -> None:
+        """A restarter that has started nothing yet.
+
+        Args:
+            model_dir: the HF model folder every engine loads.
+            api_key: the bearer token the engines require and the clients send; None: no key.
+            threads: torch threads per engine process.
+            host: the address the engines bind and the clients connect to.
+            startup_timeout_s: seconds a new engine gets to answer its health check before the start fails.
+            request_timeout_s: the clients' per-request timeout in seconds.
+            pids: `{index: pid}` of engines started by someone else, killed when that index is restarted;
+                None: none.
+            log_dir: engine i's output goes to `<log_dir>/engine<i>.log`; None discards it.
+            max_batch: the most sequences each engine decodes together.
+            seed: the sampler seed base; engine i gets `seed + i` for requests without a seed.
+        """
         self.model_dir, self.api_key, self.threads, self.host = model_dir, api_key, threads, host
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
         self.max_batch, self.seed = max_batch, seed
@@ -263,8 +277,8 @@ def _handle_signals(mgr: RolloutManager, stop_timeout_s: float) -> None:
 async def _amain(args: argparse.Namespace) -> None:
     from megatron_darl.channel.shm_ring import ShmRing
     from megatron_darl.data.sources import build_loader
-    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
+    from megatron_darl.model_facts import context_limit
     from megatron_darl.rewards.pool import RewardPool
     from megatron_darl.rollout.staleness import StalenessGate
     from megatron_darl.rollout.workflow import GroupWorkflow, RewardPoolScorer
@@ -291,7 +305,7 @@ async def _amain(args: argparse.Namespace) -> None:
     finally:
         for close in (sink.close, ring.close, pool.close):
             close()
-        await asyncio.gather(*(s.engine.aclose() for s in mgr._slots))  # restarted ones included
+        await asyncio.gather(*(e.aclose() for e in mgr.pool.engines))  # restarted ones included
         if restarter is not None:
             await restarter.aclose()
 

@@ -24,6 +24,7 @@ from tests.helpers.rollout_fakes import (
     make,
 )
 
+
 @pytest.mark.timeout(60)
 def test_all_prompts_once_tokens_exact_and_load_spread():
     cfg, engines, prompts, sink, wf = make(n_prompts=12, n_engines=3)
@@ -395,7 +396,7 @@ def test_an_engine_down_while_paused_is_resumed_before_its_health_check():
         mgr = RolloutManager(cfg, engines, prompts, wf, sink, health_interval_s=0.05)
         await mgr.astart()
         await engines[0].apause("in_place")  # e.g. left paused by a manager that died mid-update
-        mgr._mark_down(mgr._slots[0], "test: connection reset")
+        mgr.pool.mark_down(mgr.pool.slots[0], "test: connection reset")
         await asyncio.wait_for(mgr.arun(), 30)
         return mgr.metrics()
 

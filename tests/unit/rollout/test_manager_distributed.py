@@ -31,7 +31,8 @@ async def fake_learner(notice: str, engines: list, fail: set[int], seen: list[di
             ok = [e["index"] for e in req["engines"] if e["index"] not in fail]
             for e in req["engines"]:  # a failed broadcast leaves what SGLang loaded of it: a mix
                 i = e["index"]
-                engines[i].version, engines[i].mixed = (req["version"], False) if i in ok else (engines[i].version, True)
+                engines[i].version, engines[i].mixed = ((req["version"], False) if i in ok
+                                                        else (engines[i].version, True))
             write_json_atomic(res_path, {"id": req["id"], "version": req["version"], "ok": ok,
                                          "failed": {str(e["index"]): "broadcast timed out" for e in req["engines"]
                                                     if e["index"] in fail},
@@ -117,22 +118,22 @@ def test_a_learner_that_never_answers_marks_the_engines_down_within_the_bound(tm
 def test_a_restarted_manager_asks_for_group_names_no_engine_holds(tmp_path):
     """Two starts of the manager of one run over the same engines (a manager restart: its
     engines' incarnations begin again at 0 while the engines still hold the first start's
-    groups): every name differs, and each carries the run id. Before issue 31 both starts asked
+    groups): every name differs, and each carries the run id. An earlier manager had both starts ask
     for darl-w0-0 and darl-w1-0, which SGLang refuses ("group name has already been created")."""
     notice, seen = str(tmp_path / "notice.json"), []
     names = []
     for start in range(2):
         cfg, engines, prompts, sink, wf = make(n_prompts=1, n_engines=2)
 
-        async def main():
+        async def main(cfg, engines, prompts, sink, wf, version):
             learner = asyncio.create_task(fake_learner(notice, engines, set(), seen))
             mgr = RolloutManager(cfg, engines, prompts, wf, sink, notice_path=notice, run_id="run7")
             await mgr.astart()
-            await mgr.aupdate_weights(dist_version(1 + start))
+            await mgr.aupdate_weights(dist_version(version))
             await mgr.astop()
             learner.cancel()
 
-        asyncio.run(main())
+        asyncio.run(main(cfg, engines, prompts, sink, wf, 1 + start))
         names.append([e["group"] for e in seen[-1]["engines"]])
     assert len(set(names[0] + names[1])) == 4, names
     assert all(n.startswith("darl-run7-") and n.endswith(("-w0-0", "-w1-0")) for n in names[0] + names[1]), names
@@ -144,7 +145,7 @@ def test_an_engine_left_on_part_of_a_version_runs_again_only_after_a_whole_one(t
     read the fallback folder either: the manager must neither resume it nor send it requests
     until it has loaded a whole version; the health loop has the learner send it the version
     again, and only then does it run. Measured on the fake engine: resumes and tokens while it
-    held the mix. Before issue 31 the manager resumed it at once ("nothing stays paused"), and
+    held the mix. An earlier manager resumed it at once ("nothing stays paused"), and
     again before each health check."""
     cfg, engines, prompts, sink, wf = make(n_prompts=16, n_engines=2, step_s=0.004)
     notice, seen, fail = str(tmp_path / "notice.json"), [], {1}
