@@ -39,7 +39,7 @@ def _model_dir(root: str, on_gpu: bool) -> tuple[str, int]:
     """Save a random Qwen3 (CPU: small; GPU: Qwen3-1.7B shapes) and return (folder, parameters)."""
     import transformers
 
-    from megatron_darl.learner.checks import PUBLISHED
+    from megatron_darl.model_facts import PUBLISHED
 
     shapes = {k: v for k, v in PUBLISHED["qwen3-1.7b"].items() if k not in ("architectures", "model_type")} \
         if on_gpu else dict(CPU_MODEL, tie_word_embeddings=True)
@@ -58,7 +58,8 @@ def _batch(rows: int, seq: int, vocab: int):
     mask = np.ones((rows, seq), np.float32)
     mask[:, :16] = 0  # a 16-token prompt
     return TrainBatch(tokens=tokens, lengths=np.full(rows, seq, np.int64), loss_mask=mask,
-                      advantages=rng.randn(rows).astype(np.float32), behav_logprobs=np.full((rows, seq), -9.0, np.float32),
+                      advantages=rng.randn(rows).astype(np.float32),
+                      behav_logprobs=np.full((rows, seq), -9.0, np.float32),
                       token_versions=np.zeros((rows, seq), np.int64), versions=np.zeros(rows, np.int64),
                       group_index=np.arange(rows, dtype=np.int64), rewards=np.zeros(rows, np.float32),
                       prompt_ids=np.arange(rows, dtype=np.int64))

@@ -30,7 +30,7 @@ class RunInfo:
     notice: str  # learner -> manager: weight notice (JSON)
     status: str  # manager -> learner: rollout status (JSON)
     weights_root: str  # published weight versions: <root>/v<N>
-    weights_kind: str  # "shm" (embedded engines on this node) | "disk" (shared file system) | "distributed"
+    weight_sync: str  # rollout.weight_sync resolved (RolloutConfig.effective_weight_sync): shm | disk | distributed
     final_model: str  # the final policy, a Hugging Face folder
     engines_dir: str  # engine hosts announce engine<i>.json here; restart requests and the stop marker
     num_engines: int  # engines the rollout side runs (0 when engine_urls are given)

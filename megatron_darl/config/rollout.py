@@ -20,7 +20,7 @@ class RolloutConfig:
     backend: str = "torch"  # "torch": embedded darl-engine processes; "sglang": SGLang servers
     engine_urls: list[str] = field(default_factory=list)  # sglang: servers to use (empty: launcher starts them)
     num_engines: int = 1  # engines the launcher starts (embedded: processes on this node)
-    engine_threads: int = 1  # torch threads per embedded engine (1 beats 2 on a shared 2-core box)
+    engine_threads: int = 1  # torch threads per embedded engine (1 beats 2 where engines share few cores)
     api_key: str | None = None  # sent as Bearer token; the embedded engine requires it when set
     group_size: int = 8  # G: responses sampled per prompt (a group is never split)
     temperature: float = 1.0
@@ -38,7 +38,10 @@ class RolloutConfig:
     filter_equal_rewards: bool = False  # DAPO-style: drop groups whose rewards are all equal
     # how versions reach engines: "shm" (HF folder in /dev/shm, embedded engines on this node), "disk"
     # (folder on a shared file system), "distributed" (broadcast over a process group through SGLang's
-    # /update_weights_from_distributed: NCCL on GPUs, gloo on CPU; no file), "auto" (shm embedded, disk sglang)
+    # /update_weights_from_distributed: NCCL on GPUs, gloo on CPU; no file), "auto": shm for embedded
+    # engines (backend torch) on the learner's node, disk for SGLang servers (started or engine_urls) and
+    # for embedded engines on the rollout nodes of a Slurm job (launch.rollout_nodes > 0); never
+    # distributed (see effective_weight_sync)
     weight_sync: str = "auto"
     weight_sync_timeout_s: float = 120.0  # distributed: bound of every join and broadcast of the weight groups
 
@@ -47,6 +50,27 @@ class RolloutConfig:
         "pause_mode": PAUSE_MODES,
         "weight_sync": ("auto", "shm", "disk", "distributed"),
     }
+
+    def effective_weight_sync(self, engines_on_rollout_nodes: bool) -> str:
+        """How versions reach the engines, with `auto` resolved: "shm", "disk" or "distributed".
+
+        `engines_on_rollout_nodes`: the engines run on nodes of their own, not the learner's
+        (`launch.mode=slurm` with `launch.rollout_nodes > 0`). A set value is kept as it is;
+        `auto` is "shm" for embedded engines (backend torch) beside the learner, whose
+        /dev/shm they share, and "disk" otherwise: SGLang servers (started by the launcher or
+        given as engine_urls, which may run anywhere) and embedded engines on rollout nodes."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return self.weight_folder_kind(engines_on_rollout_nodes)
+
+    def weight_folder_kind(self, engines_on_rollout_nodes: bool) -> str:
+        """Where a version's folder goes, "shm" (/dev/shm) or "disk" (the run folder): the
+        set `shm` or `disk`; else (`auto`, and `distributed`, which writes a folder only for an
+        engine whose broadcast failed) "shm" for embedded engines beside the learner, "disk"
+        for SGLang servers and for engines on rollout nodes (`effective_weight_sync`'s rule)."""
+        if self.weight_sync in ("shm", "disk"):
+            return self.weight_sync
+        return "shm" if self.backend == "torch" and not engines_on_rollout_nodes else "disk"
 
     def check(self) -> list[tuple[str, str]]:
         errs: list[tuple[str, str]] = []

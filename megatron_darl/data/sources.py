@@ -3,7 +3,7 @@ eval split, and wires the tokenizer's prompt formatting into a `PromptLoader`.
 
 What it is: `build_source(cfg, split)` and `build_loader(cfg, tokenizer, split)`, the two calls the
 trainer and the evaluator make (their `context`, the room a prompt must leave for its answer, is
-`learner.checks.context_limit`: the model's context is the learner's fact); and
+`model_facts.context_limit`: the model's context); and
 `check_sources(cfg)`, the data checks made before a run starts.
 What it is not: the sources themselves (`procedural.py`, `files.py`, `humaneval.py`).
 """
@@ -74,11 +74,20 @@ def build_loader(
     **chat_kwargs: Any,
 ) -> PromptLoader | None:
     """A loader over `build_source(cfg, split)` that formats through `tokenizer`; None when the
-    split has no source. Train draws are shuffled per epoch; eval keeps the source order.
+    split has no source. Train draws are shuffled per epoch; other splits keep the source order.
     Sources that hold their rows are checked whole now (every rejected row counted and named in
-    the log before the first draw); generated ones as drawn. `context` (`learner.checks.context_limit`): prompts
-    that leave too little of the model's context for their answers are bad rows too
-    (`prompt_exceeds_context`). `chat_kwargs` add to (and override) `cfg.chat_kwargs`."""
+    the log before the first draw); generated ones as drawn. `chat_kwargs` add to (and override)
+    `cfg.chat_kwargs`.
+
+    Args:
+        cfg: the run's data section.
+        tokenizer: the model's Hugging Face tokenizer.
+        split: `train`, `eval` or `validation` (the last only with `data.partition: hash`).
+        logger: where the data report and rejections are logged; None uses this module's logger.
+        progress: show a progress bar while checking a source of 5000 rows or more (`api.PROGRESS_ROWS`).
+        context: `model_facts.context_limit`: prompts that leave too little of the model's context for their
+            answers are bad rows too (`prompt_exceeds_context`); None: only `data.max_prompt_tokens` limits.
+    """
     source = build_source(cfg, split)
     if source is None:
         return None

@@ -13,7 +13,7 @@ value (a temperature below `SAMPLING_EPS` is greedy; a prompt plus an explicit `
 beyond the model's context is refused) this does the same. Work per request is bounded: at most
 `max_prompts` prompts and `max_tokens` prompt tokens (`TooLarge`, HTTP 413, naming the limit and
 its darl-engine flag). `weight_version` only moves forward (`parse_weight_version`).
-What it is not: the server (`server.py`), the reading of bodies (`http.py`) or the client side
+What it is not: the server (`server.py`), the reading of bodies (`http_io.py`) or the client side
 (`sglang_requests.py`).
 """
 
@@ -86,7 +86,8 @@ def _number(raw: dict, name: str, default: float, where: str) -> float:
     return float(v)
 
 
-def _integer(raw: dict, name: str, default: int | None, where: str, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
+def _integer(raw: dict, name: str, default: int | None, where: str, lo: int = INT64[0],
+             hi: int = INT64[1]) -> int | None:
     v = raw.get(name)
     if v is None:
         return default
@@ -105,7 +106,8 @@ def parse_sampling(raw: object, where: str = "sampling_params.") -> SamplingPara
         raise BadRequest(f"field '{where.rstrip('.')}' must be an object, got {type(raw).__name__}")
     for key, value in raw.items():
         if key not in SGLANG_SAMPLING_FIELDS:
-            raise BadRequest(f"field '{where}{key}' is unknown: SGLang's sampling_params are {list(SGLANG_SAMPLING_FIELDS)}")
+            raise BadRequest(f"field '{where}{key}' is unknown: SGLang's sampling_params are "
+                             f"{list(SGLANG_SAMPLING_FIELDS)}")
         if key in NEUTRAL and not any(value == n and type(value) is type(n) for n in NEUTRAL[key]):
             raise BadRequest(f"field '{where}{key}'={value!r} is not supported by the embedded engine "
                              f"(accepted: {[n for n in NEUTRAL[key] if n is not None] or 'null'})")
@@ -178,7 +180,7 @@ def _check_context(prompts: list[list[int]], raw_sp: Any, sps: list[SamplingPara
     (tokenizer_manager._validate_one_request, without --allow-auto-truncate); without
     max_new_tokens it decodes its default and stops at the context (finish_reason length)."""
     raws = raw_sp if isinstance(raw_sp, list) else [raw_sp] * len(prompts)
-    for i, (p, raw, sp) in enumerate(zip(prompts, raws, sps)):
+    for i, (p, raw, sp) in enumerate(zip(prompts, raws, sps, strict=True)):
         if isinstance(raw, dict) and raw.get("max_new_tokens") is not None and len(p) + sp.max_new_tokens > context:
             where = f"sampling_params[{i}]." if isinstance(raw_sp, list) else "sampling_params."
             raise BadRequest(f"field '{where}max_new_tokens': requested token count exceeds the model's maximum "
@@ -218,8 +220,9 @@ def parse_generate(body: dict, vocab_size: int, max_prompts: int = MAX_PROMPTS, 
     elif not batched and isinstance(rid, str) and rid:
         rids = [rid]
     else:
-        raise BadRequest("field 'rid' must be a non-empty string (a list of strings, one per prompt, for batched input_ids)")
-    return list(zip(rids, prompts, sps)), batched
+        raise BadRequest("field 'rid' must be a non-empty string (a list of strings, one per prompt, for batched "
+                         "input_ids)")
+    return list(zip(rids, prompts, sps, strict=True)), batched
 
 
 def parse_weight_version(raw: Any, current: int) -> int:
@@ -233,7 +236,8 @@ def parse_weight_version(raw: Any, current: int) -> int:
             raise ValueError
         version = int(raw)
     except ValueError:
-        raise BadRequest(f"field 'weight_version' must be an integer (or its decimal string), got {_short(raw)}") from None
+        raise BadRequest(f"field 'weight_version' must be an integer (or its decimal string), "
+                         f"got {_short(raw)}") from None
     if not 0 <= version <= INT64[1]:
         raise BadRequest(f"field 'weight_version' must be in [0, {INT64[1]}], got {_short(version)}")
     if version < current:
@@ -275,7 +279,7 @@ def response_json(rid: str, output_ids: list[int], logprobs: list[float], versio
             "weight_versions": spans,
             "e2e_latency": latency_s,
             "input_token_logprobs": [],
-            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids)],
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=False)],
             "output_token_logprobs_length": len(output_ids),
         },
     }

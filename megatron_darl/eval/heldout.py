@@ -23,7 +23,7 @@ def eval_prompts(cfg: RunConfig, tokenizer) -> list | None:
     for the model's context with the evaluation's max_new_tokens (`context_limit`) is skipped,
     counted and logged as a bad row, not sent to be refused by the engines."""
     from megatron_darl.data.sources import build_loader
-    from megatron_darl.learner.checks import context_limit
+    from megatron_darl.model_facts import context_limit
 
     loader = build_loader(cfg.data, tokenizer, "eval", context=context_limit(cfg, "eval"))
     if loader is None:

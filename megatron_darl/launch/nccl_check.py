@@ -7,7 +7,8 @@ for SGLang servers) which NCCL their torch loads (`torch.cuda.nccl.version()`, i
 bounded by a timeout) and refuses a pair that differs, with both versions and the fix: NCCL
 refuses a communicator between peers of different versions, so the first broadcast of the run
 would fail on every engine. The pinned pair needs it: torch 2.13.0 (megatron-darl) pins
-nvidia-nccl-cu13 2.29.7, torch 2.14.1 (sglang 0.5.23) pins 2.30.7 (README, "Weight sync").
+nvidia-nccl-cu13 2.29.7, torch 2.14.1 (sglang 0.5.23) pins 2.30.7 (docs/clusters.md, section
+"Weight sync").
 An interpreter that cannot run, has no torch, or a torch without NCCL (a CPU build) is named
 with the key it comes from.
 What it is not: the SGLang environment's own probe (`launch/engine_env.py`: sglang, driver,
@@ -83,7 +84,7 @@ def nccl_checks(cfg, probe: Probe = probe_nccl, cuda: bool | None = None) -> lis
              ("launch.engine_python", engine)]
     found = [probe(python) for _, python in sides]
     errors = [f"{key} ({python!r}): weight_sync=distributed on NCCL needs its torch's NCCL version: {f['error']}"
-              for (key, python), f in zip(sides, found) if "error" in f]
+              for (key, python), f in zip(sides, found, strict=True) if "error" in f]
     if errors or found[0]["nccl"] == found[1]["nccl"]:
         return errors
     return [_mismatch(sides, found)]
@@ -91,10 +92,12 @@ def nccl_checks(cfg, probe: Probe = probe_nccl, cuda: bool | None = None) -> lis
 
 def _mismatch(sides: list[tuple[str, str]], found: list[dict]) -> str:
     (lkey, lpy), (ekey, epy) = sides
-    have = [f"NCCL {f['nccl']} (torch {f.get('torch', '?')}) in {key} {py!r}" for (key, py), f in zip(sides, found)]
+    have = [f"NCCL {f['nccl']} (torch {f.get('torch', '?')}) in {key} {py!r}"
+            for (key, py), f in zip(sides, found, strict=True)]
     newer = max(found, key=lambda f: tuple(int(x) for x in f["nccl"].split(".") if x.isdigit()))["nccl"]
-    return (f"rollout.weight_sync=distributed: the learner and the engines load different NCCLs ({have[0]}; {have[1]}); "
+    return (f"rollout.weight_sync=distributed: the learner and the engines load different NCCLs "
+            f"({have[0]}; {have[1]}); "
             f"NCCL refuses a communicator between different versions, so every broadcast would fail. Install the "
             f"same NCCL in both, e.g. the newer one in the other environment: `<python> -m pip install --no-deps "
-            f"nvidia-nccl-cu13=={newer}` (nvidia-nccl-cu12 for a CUDA 12 torch; README, \"Weight sync\"), or use "
-            f"rollout.weight_sync=disk")
+            f"nvidia-nccl-cu13=={newer}` (nvidia-nccl-cu12 for a CUDA 12 torch; docs/clusters.md, section "
+            f"\"Weight sync\"), or use rollout.weight_sync=disk")

@@ -41,7 +41,7 @@ def context_checks(cfg: RunConfig) -> list[str]:
     """A request asks for its prompt plus max_new_tokens positions, which SGLang and darl-engine
     refuse beyond the model's context (a 400 marks the engine down; the loaders skip prompts
     that do not fit): a max_new_tokens that leaves no position for a prompt fits no prompt."""
-    from megatron_darl.learner.checks import model_context
+    from megatron_darl.model_facts import model_context
 
     context, source = model_context(cfg)
     if context is None:

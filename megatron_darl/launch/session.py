@@ -15,7 +15,7 @@ preemption signal before the learners start (warm start, engine start, the first
 stops the run at once and cleanly, exit 0 (no train step ran, nothing to checkpoint; the warm
 start writes its model whole or not at all); during the evaluation after training it skips
 that evaluation (the policy is exported). Each phase is one `[launcher]` line.
-What it is not: where processes run (`Placement`: `runner.LocalPlacement`,
+What it is not: where processes run (`Placement`: `local.LocalPlacement`,
 `slurm_job.SlurmPlacement`) or any role's own work.
 """
 
@@ -76,16 +76,14 @@ def make_run_info(cfg: RunConfig, run_id: str, attempt: str, addr: str, port: in
     run_dir = os.path.abspath(cfg.train.run_dir)
     lc, rc = cfg.launch, cfg.rollout
     external = rc.backend == "sglang" and bool(rc.engine_urls)
-    local_shm = rc.backend == "torch" and not (lc.mode == "slurm" and lc.rollout_nodes)
-    kind = rc.weight_sync if rc.weight_sync != "auto" else ("shm" if local_shm else "disk")
-    # distributed writes a folder only for an engine whose broadcast failed: where disk/shm would
-    folder_kind = ("shm" if local_shm else "disk") if kind == "distributed" else kind
+    on_rollout_nodes = lc.mode == "slurm" and bool(lc.rollout_nodes)
+    folder_kind = rc.weight_folder_kind(on_rollout_nodes)  # distributed: the folders of failed broadcasts
     return RunInfo(
         run_id=run_id, attempt=attempt, run_dir=run_dir, config=os.path.join(run_dir, "config.yaml"),
         ring=cfg.ring.name or f"darl-{run_id}-ring",
         notice=os.path.join(run_dir, "rollout", "notice.json"), status=os.path.join(run_dir, "rollout", "status.json"),
         weights_root=f"/dev/shm/darl-{run_id}-weights" if folder_kind == "shm" else os.path.join(run_dir, "weights"),
-        weights_kind=kind, final_model=os.path.join(run_dir, "final_model"),
+        weight_sync=rc.effective_weight_sync(on_rollout_nodes), final_model=os.path.join(run_dir, "final_model"),
         engines_dir=os.path.join(run_dir, "engines"), num_engines=0 if external else rc.num_engines,
         engine_urls=list(rc.engine_urls) if external else [], learner_world=lc.learner_world,
         master_addr=addr, master_port=port, learners_go=os.path.join(run_dir, "engines", "learners.go"))

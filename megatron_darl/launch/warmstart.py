@@ -7,13 +7,12 @@ the reference answers of the task (a reasoning-gym entry's answer, or a math fil
 truth; prompt tokens masked out; a short warmup, then a constant learning rate) so that RL
 starts from a policy that is sometimes right. With `demo.sft_target` it stops at the first step
 whose greedy accuracy on the run's held-out problems (the ones evaluated before and after RL)
-reaches that target: the float rounding of a machine (thread count, vector kernels) changes the
-path of training, so a fixed step count lands anywhere between 15% and 26% on the demo, and a
-target lands on the target whatever the machine. The result is cached: a second run with the
-same settings reuses the folder (keyed by a hash of everything that shaped it, the data file's
-size and time included). `check_answers(cfg)` refuses, before start, a source without reference
-answers. `read_stats(model_dir)` is what a warm start recorded (warmstart.json), with
-`checks_summary` of its held-out checks: what the target stop selected from.
+reaches that target (a fixed step count lands on different accuracies on different machines; a
+target does not). The result is cached: a second run with the same settings reuses the folder
+(keyed by a hash of everything that shaped it, the data file's size and time included).
+`check_answers(cfg)` refuses, before start, a source without reference answers.
+`read_stats(model_dir)` is what a warm start recorded (warmstart.json), with `checks_summary` of
+its held-out checks: what the target stop selected from.
 What it is not: part of RL training. Any other `model.hf_dir` is returned unchanged.
 """
 
@@ -74,8 +73,8 @@ def check_answers(cfg: RunConfig) -> list[str]:
     if cfg.model.hf_dir != BUILTIN_MODEL or cfg.data.missing_files():
         return []
     from megatron_darl.data.sources import build_loader, build_source
-    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
+    from megatron_darl.model_facts import context_limit
 
     try:
         source = build_source(cfg.data, "train")
@@ -202,7 +201,7 @@ def stop_and_test_prompts(cfg: RunConfig, tok: Any) -> tuple[list | None, list |
     the problems the curves are scored on ("test")."""
     from megatron_darl.data.sources import build_loader
     from megatron_darl.eval.heldout import eval_prompts
-    from megatron_darl.learner.checks import context_limit
+    from megatron_darl.model_facts import context_limit
 
     if cfg.data.partition != "hash":
         target = cfg.demo.sft_target > 0
@@ -259,12 +258,21 @@ def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
 def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, held_out: list[Any] | None = None,
                      target: float = 0.0, batch: int = SFT_BATCH, test: list[Any] | None = None) -> dict[str, float]:
     """Cross-entropy on answer tokens only (prompt masked), AdamW on the `lr_at` schedule, a
-    progress bar. With `held_out` prompts and `target` > 0 it stops at the first step whose
-    greedy accuracy on them (`greedy_accuracy`) reaches `target`: checked every SFT_CHECK_EVERY
-    steps, and every step once within SFT_CHECK_NEAR of it, so the warm start lands on the target
-    whatever the machine's float rounding made of the path there. With `test` prompts every
-    check also scores them (`sft_test_checks`), never to stop: what step 0 is on the test split,
-    beside the checks before it."""
+    progress bar. Held-out checks run every SFT_CHECK_EVERY steps, and every step once within
+    SFT_CHECK_NEAR of `target`, so the warm start lands on the target whatever the machine's
+    float rounding made of the path there. Returns the `sft_*` statistics of warmstart.json.
+
+    Args:
+        model: the Hugging Face causal LM, trained in place.
+        tok: its tokenizer (builds the prompt + reference answer + end token batches).
+        loader: a `PromptLoader` that `next_batch` draws each step's training prompts from.
+        steps: the most optimizer steps (fewer when `target` is reached).
+        held_out: prompts whose greedy accuracy (`greedy_accuracy`) the checks measure; None: no checks.
+        target: stop at the first check whose held-out accuracy reaches this, in [0, 1]; 0 never stops early.
+        batch: prompts per step.
+        test: prompts every check also scores (`sft_test_checks`; needs `held_out`), never to stop: what
+            step 0 is on the test split, beside the checks before it; None: none.
+    """
     import torch
     from tqdm import trange
 

@@ -17,11 +17,16 @@ from typing import Any
 # SGLang 0.5.23's weight-update session (the routes that need one, the release's messages) lives
 # in channel/weight_session.py, shared with darl-engine, which holds the rules; re-exported here
 from megatron_darl.channel.weight_session import (  # noqa: F401
-    NO_SESSION_OPEN, SESSION_ALREADY_OPEN, SESSION_ROUTES, SESSION_SELECTORS, session_required)
-from megatron_darl.types import FINISH_REASONS, GenerateRequest, GenerateResponse, PAUSE_MODES
+    NO_SESSION_OPEN,
+    SESSION_ALREADY_OPEN,
+    SESSION_ROUTES,
+    SESSION_SELECTORS,
+    session_required,
+)
+from megatron_darl.types import FINISH_REASONS, PAUSE_MODES, GenerateRequest, GenerateResponse
 
 # The SGLang release this protocol is written and tested against (setup.py's `sglang` extra
-# pins it; tests/sglang_release.py reads that release's own source). See docs/sglang_protocol.md.
+# pins it; tests/helpers/sglang_release.py reads that release's own source). See docs/sglang_protocol.md.
 SGLANG_VERSION = "0.5.23"
 
 
@@ -103,7 +108,8 @@ def update_distributed_body(names: list[str], dtypes: list[str], shapes: list[li
     one broadcast each from rank 0 of `group_name`. `version` None leaves the engine's
     weight_version as it is (a bucket before the last of a version)."""
     if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+        raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, "
+                         f"{len(shapes)} shapes")
     return {
         "names": list(names),
         "dtypes": list(dtypes),
@@ -157,7 +163,8 @@ def parse_generate(rid: str, data: Any, default_version: int) -> GenerateRespons
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind not in FINISH_REASONS:
-        raise ResponseFormatError(f"/generate {rid!r}: meta_info.finish_reason={reason!r}; expected type in {FINISH_REASONS}")
+        raise ResponseFormatError(f"/generate {rid!r}: meta_info.finish_reason={reason!r}; "
+                                  f"expected type in {FINISH_REASONS}")
     version = parse_version(meta.get("weight_version"), default_version)
     return GenerateResponse(
         rid=rid,
@@ -181,7 +188,7 @@ def _output_logprobs(rid: str, meta: dict, out: list[int]) -> list[float]:
             f"/generate {rid!r}: 'meta_info.output_token_logprobs' must hold one [logprob, id, text] per output id "
             f"({len(out)}); was return_logprob sent?")
     lps = []
-    for i, (t, tok) in enumerate(zip(triples, out)):
+    for i, (t, tok) in enumerate(zip(triples, out, strict=True)):
         if not isinstance(t, list) or len(t) < 2 or t[1] != tok or not _is_number(t[0]) or not math.isfinite(t[0]):
             raise ResponseFormatError(f"/generate {rid!r}: meta_info.output_token_logprobs[{i}]={t!r} is not "
                                       f"[finite logprob, {tok}, text]")

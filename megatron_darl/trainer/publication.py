@@ -4,7 +4,7 @@ What it is: `Publisher`. Every learner rank calls `publish(v)` (the export gathe
 collectively); the main rank then has a Hugging Face folder `<root>/v{v}` (safetensors +
 config.json) and announces it in the weight notice that the rollout manager polls; the manager
 pauses the engines, has them load it through `/update_weights_from_disk`, and resumes. With
-`kind="distributed"` nothing is written: the main rank stages the version's tensors on CPU and
+`weight_sync="distributed"` nothing is written: the main rank stages the version's tensors on CPU and
 `weight_sender.py` broadcasts them to the paused engines (a folder under `root` only
 for an engine whose broadcast failed). `root`
 is in /dev/shm for embedded engines on this node (the shared-memory path: no disk write) and on
@@ -78,10 +78,10 @@ _REPORTED = (("engines up", "rollout/engines_up"), ("groups in flight", "rollout
 
 
 class Publisher:
-    def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, kind: str, keep: int = 3,
+    def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, weight_sync: str, keep: int = 3,
                  sender: Any = None):
-        self.learner, self.root, self.kind, self.keep = learner, root, kind, keep
-        self.sender = sender  # kind "distributed", main rank: learner/weight_sender.WeightSender
+        self.learner, self.root, self.weight_sync, self.keep = learner, root, weight_sync, keep
+        self.sender = sender  # weight_sync "distributed", main rank: trainer/weight_sender.WeightSender
         self.notice_path, self.status_path = notice_path, status_path
         self.last_publish_s = 0.0
         if learner.is_main:
@@ -95,7 +95,7 @@ class Publisher:
         folder removed) when any exported tensor holds NaN or Inf. `consumed`, `new_groups` (main
         rank): what the learner used up and what its next step takes, for the staleness gate."""
         t0 = time.perf_counter()
-        if self.kind == "distributed":
+        if self.weight_sync == "distributed":
             self._publish_distributed(version, consumed, new_groups)
             self.last_publish_s = time.perf_counter() - t0
             return
@@ -107,7 +107,7 @@ class Publisher:
                 shutil.rmtree(out, ignore_errors=True)
                 raise NonFiniteWeights(version, bad)
             size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-            self.notify(WeightVersion(version=version, kind=self.kind, location=out, num_bytes=size),
+            self.notify(WeightVersion(version=version, kind=self.weight_sync, location=out, num_bytes=size),
                         consumed=consumed, new_groups=new_groups)
             self._collect_garbage(version)
         self.last_publish_s = time.perf_counter() - t0
@@ -127,8 +127,9 @@ class Publisher:
             raise NonFiniteWeights(version, bad)
         self.sender.stage(version, staged)
         size = sum(t.numel() * t.element_size() for bucket in staged for _, t in bucket)
-        self.notify(WeightVersion(version=version, kind="distributed", location=f"{self.sender.master_address}#v{version}",
-                                  num_bytes=size), consumed=consumed, new_groups=new_groups)
+        where = f"{self.sender.master_address}#v{version}"
+        self.notify(WeightVersion(version=version, kind="distributed", location=where, num_bytes=size),
+                    consumed=consumed, new_groups=new_groups)
         self._collect_garbage(version)  # fallback folders, when any engine needed one
 
     def eval_folder(self, version: int) -> str:

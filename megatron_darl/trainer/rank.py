@@ -119,7 +119,7 @@ def build_trainer(cfg: RunConfig, info: RunInfo) -> TrainerRank:
         print(f"darl-train: algo.pmis_beta=balance, algo.balance_snapshots="
               f"{cfg.algo.balance_snapshots} -> {learner.balance_mode} ({how})", flush=True)
     feed = _main_rank_feed(cfg, info) if learner.is_main else None
-    publisher = Publisher(learner, info.weights_root, info.notice, info.status, info.weights_kind,
+    publisher = Publisher(learner, info.weights_root, info.notice, info.status, info.weight_sync,
                           sender=_weight_sender(cfg, info, learner))
     alive = _launcher_alive()
     if world_size() > 1:
@@ -198,7 +198,7 @@ def _waiting_check(alive, preemption: Preemption, feed: StepFeed | None):
 def _weight_sender(cfg: RunConfig, info: RunInfo, learner: Any):
     """The main rank's broadcaster of `rollout.weight_sync=distributed` (None otherwise): NCCL
     when the learner runs on GPUs, gloo on CPU; rendezvous on the learner's own address."""
-    if info.weights_kind != "distributed" or not learner.is_main:
+    if info.weight_sync != "distributed" or not learner.is_main:
         return None
     from megatron_darl.rollout.sglang_requests import flushes_cache
     from megatron_darl.trainer.weight_sender import WeightSender

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+
 from megatron_darl.channel.ports import free_port
 
 
@@ -61,9 +62,9 @@ async def _await_healthy(engine, proc: subprocess.Popen, timeout_s: float) -> No
 
 def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
     from megatron_darl.data.sources import build_loader
-    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
     from megatron_darl.learner.megatron_learner import MegatronLearner
+    from megatron_darl.model_facts import context_limit
     from megatron_darl.rewards.pool import RewardPool
     from megatron_darl.rollout.sglang_client import SGLangClient
     from megatron_darl.rollout.workflow import GroupWorkflow, RewardPoolScorer
@@ -82,8 +83,8 @@ def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
     try:
         engine = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=120.0, max_retries=0)
         loop.run_until_complete(_await_healthy(engine, proc, 120.0))
-        workflow = GroupWorkflow(cfg.rollout, RewardPoolScorer(pool, lambda ids: tok.decode(ids, skip_special_tokens=True)),
-                                 seed=cfg.train.seed)
+        scorer = RewardPoolScorer(pool, lambda ids: tok.decode(ids, skip_special_tokens=True))
+        workflow = GroupWorkflow(cfg.rollout, scorer, seed=cfg.train.seed)
         client = _DirectClient(engine)
         learner = MegatronLearner(cfg.model, cfg.parallel, cfg.optim, cfg.learner, cfg.algo,
                                   temperature=cfg.rollout.temperature, seed=cfg.train.seed)
@@ -103,8 +104,9 @@ def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
             learner.export_hf(folder)
             loop.run_until_complete(engine.aupdate_weights(WeightVersion(version=step + 1, kind="disk",
                                                                          location=folder, num_bytes=0)))
-            out.append({"step": step, "train/loss": metrics["train/loss"], "train/grad_norm": metrics["train/grad_norm"],
-                        "prompt_ids": sorted({t.prompt_id for t in trajs})})
+            ids = sorted({t.prompt_id for t in trajs})
+            out.append({"step": step, "train/loss": metrics["train/loss"],
+                        "train/grad_norm": metrics["train/grad_norm"], "prompt_ids": ids})
         loop.run_until_complete(engine.aclose())
         return out
     finally:

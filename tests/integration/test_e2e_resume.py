@@ -28,8 +28,8 @@ def loader_sequence(config_path: str, n: int) -> list[int]:
     """The first n prompt uids the rollout manager draws for this config."""
     from megatron_darl.config import load_config
     from megatron_darl.data.sources import build_loader
-    from megatron_darl.learner.checks import context_limit
     from megatron_darl.data.tokenizers import load_tokenizer
+    from megatron_darl.model_facts import context_limit
 
     cfg = load_config(config_path)
     loader = build_loader(cfg.data, load_tokenizer(cfg.model.tokenizer_dir), context=context_limit(cfg))

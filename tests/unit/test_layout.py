@@ -10,11 +10,16 @@
   (`pytest -rP tests/unit/test_layout.py` prints the three figures).
 - `config/` imports no process's code, `algo/` and `channel/` import no process's code either, and a
   name means one thing: no two modules share a file name among the ones that used to collide
-  (cli, session, runner, preflight)."""
+  (cli, session, runner, preflight).
+- docs/ARCHITECTURE.md's table "Folders, processes and imports" is the code's: each folder and
+  loose module (`__init__`, `__main__` aside) has a row whose last column names exactly the folders
+  and loose modules it imports (a file named, `engine/command.py`, stands for its folder;
+  `checkpoint_tools/`, beside the package, counts like a folder; "everything" is no constraint)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -24,6 +29,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_darl"
 PROCESS_FOLDERS = {"trainer", "learner", "rollout", "engine", "rewards", "data", "eval", "launch"}
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+BESIDE = PACKAGE.parent / "checkpoint_tools"  # a package beside this one that the table names like a folder
 
 
 def _modules() -> dict[str, Path]:
@@ -141,6 +148,59 @@ def test_a_module_name_means_one_thing():
     assert not {n: c for n, c in names.items() if c > 1}
     assert not list(PACKAGE.rglob("runner.py")) and len(list(PACKAGE.rglob("cli.py"))) == 1
     assert [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*preflight*.py")] == ["launch/preflight.py"]
+
+
+def _unit(module: str) -> str | None:
+    """The table's name of what holds `module`: a folder (`config/`, `checkpoint_tools/`) or a
+    loose module (`types.py`); None for the package itself."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE.name:
+        return f"{parts[0]}/"
+    if len(parts) == 1:
+        return None
+    return f"{parts[1]}/" if (PACKAGE / parts[1]).is_dir() else f"{parts[1]}.py"
+
+
+def _code_imports() -> dict[str, set[str]]:
+    """Each folder and loose module -> the others it imports (top level and inside functions)."""
+    mods = _modules()
+    known = set(mods) | {BESIDE.name} | {f"{BESIDE.name}.{p.stem}" for p in BESIDE.glob("*.py")}
+    out: dict[str, set[str]] = {}
+    for m, path in mods.items():
+        unit = _unit(m)
+        if unit is None or unit == "__main__.py":  # the entry; the table's `launch/` row names it
+            continue
+        out.setdefault(unit, set()).update(u for u in map(_unit, _imports(path, known)) if u not in (None, unit))
+    return out
+
+
+def _table_imports() -> dict[str, set[str] | None]:
+    """Each row of ARCHITECTURE.md's "Folders, processes and imports" table -> the folders and
+    loose modules its last column names: backticked paths (`config/`, `types.py`) outside
+    parentheses, which are prose (None: "everything")."""
+    section = ARCHITECTURE.read_text().split("\n## Folders, processes and imports\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str] | None] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 3 or cells[0] == "folder" or set(cells[0]) <= set("-: "):
+            continue
+        named = re.findall(r"`([^`]+(?:/|\.py))`", re.sub(r"\([^)]*\)", "", cells[-1]))
+        rows[cells[0].strip("`")] = None if cells[-1].startswith("everything") else {
+            f"{n.split('/')[0]}/" if "/" in n else n for n in named}
+    return rows
+
+
+def test_the_architecture_table_names_what_each_folder_imports():
+    table, code = _table_imports(), _code_imports()
+    assert table.get("launch/", ()) is None and len(table) > 8, table  # the table was found and read
+    assert set(table) == set(code), {"without a row": sorted(set(code) - set(table)),
+                                     "a row of nothing in the package": sorted(set(table) - set(code))}
+    wrong = {}
+    for unit, named in sorted(table.items()):
+        if named is not None and named != code[unit]:
+            wrong[unit] = {"imported, not in the table": sorted(code[unit] - named),
+                           "in the table, never imported": sorted(named - code[unit])}
+    assert not wrong, f"docs/ARCHITECTURE.md, \"Folders, processes and imports\": {wrong}"
 
 
 def test_every_process_folder_has_its_entry():

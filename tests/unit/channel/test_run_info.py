@@ -29,13 +29,14 @@ def test_round_trip_keeps_every_field(tmp_path):
     assert again == info
     assert again.ring == "darl-0123456789-ring" and again.num_engines == 3
     assert (again.master_addr, again.master_port, again.attempt) == ("10.0.0.5", 29500, "17.0")
-    assert again.weights_kind == "shm" and again.weights_root == "/dev/shm/darl-0123456789-weights"
+    assert again.weight_sync == "shm" and again.weights_root == "/dev/shm/darl-0123456789-weights"
 
 
 def test_engines_on_rollout_nodes_publish_to_the_shared_run_folder(tmp_path):
-    cfg = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path}", "launch.mode=slurm", "launch.rollout_nodes=1"])
+    cfg = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path}", "launch.mode=slurm",
+                             "launch.rollout_nodes=1"])
     info = make_run_info(cfg, "0123456789", "1.0", "a", 1)
-    assert info.weights_kind == "disk" and info.weights_root == str(tmp_path / "weights")
+    assert info.weight_sync == "disk" and info.weights_root == str(tmp_path / "weights")
 
 
 def test_external_engines_are_listed_not_counted(tmp_path):
@@ -81,8 +82,8 @@ def test_markers(tmp_path):
 def test_distributed_keeps_its_fallback_folders_where_disk_or_shm_would_write(tmp_path):
     local = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path}", "rollout.weight_sync=distributed"])
     info = make_run_info(local, "0123456789", "1.0", "a", 1)
-    assert info.weights_kind == "distributed" and info.weights_root == "/dev/shm/darl-0123456789-weights"
+    assert info.weight_sync == "distributed" and info.weights_root == "/dev/shm/darl-0123456789-weights"
     remote = load_config(None, ["model.hf_dir=/m", f"train.run_dir={tmp_path}", "rollout.weight_sync=distributed",
                                 "launch.mode=slurm", "launch.rollout_nodes=1"])
     info = make_run_info(remote, "0123456789", "1.0", "a", 1)
-    assert info.weights_kind == "distributed" and info.weights_root == str(tmp_path / "weights")
+    assert info.weight_sync == "distributed" and info.weights_root == str(tmp_path / "weights")

@@ -9,8 +9,8 @@ from megatron_darl.config import load_config
 from megatron_darl.data.api import PromptRecord
 from megatron_darl.data.formatting import ContextLimit, PromptExceedsContext, PromptFormatter, PromptTooLong
 from megatron_darl.data.sources import build_loader
-from megatron_darl.learner.checks import context_limit
 from megatron_darl.eval.heldout import eval_prompts
+from megatron_darl.model_facts import context_limit
 
 DEMO = "configs/cpu_demo_darl.yaml"  # built-in tiny Qwen3: max_position_embeddings 256
 # chain_sum prompts of 2 to 5 terms of 1 or 2 digits: "1 + 2 =" (7 tokens) to 24 tokens

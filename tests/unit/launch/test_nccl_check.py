@@ -2,7 +2,7 @@
 
 Two fake interpreters (small executables answering the probe as a torch with a given NCCL would,
 real subprocesses) stand for the learner's environment (torch 2.13.0) and SGLang's (torch
-2.14.1); the real interpreter of this CPU machine stands for a torch without NCCL."""
+2.14.1); the real interpreter is probed as it is (a CPU build of torch reports no NCCL)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def test_different_nccls_are_refused_with_both_versions_and_the_fix(tmp_path):
     assert "NCCL 2.29.7 (torch 2.13.0) in launch.python" in err and learner in err
     assert "NCCL 2.30.7 (torch 2.14.1) in launch.engine_python" in err and engine in err
     assert "pip install --no-deps nvidia-nccl-cu13==2.30.7" in err and "rollout.weight_sync" in err
+    assert 'docs/clusters.md, section "Weight sync"' in err  # where the weight-sync details are
     # preflight carries it (its other checks need a model folder: only this one is looked at here)
     assert err in preflight_mod._machine_checks(_cfg(learner, engine))
 

@@ -8,7 +8,8 @@ import pytest
 from megatron_darl.config import load_config
 from megatron_darl.launch.cli import train_main
 from megatron_darl.launch.preflight import preflight
-from megatron_darl.learner.checks import layout_errors, learner_world, model_shapes
+from megatron_darl.learner.checks import layout_errors, learner_world
+from megatron_darl.model_facts import model_shapes
 
 DEMO = "configs/cpu_demo_darl.yaml"  # builtin tiny Qwen3: 4 heads, 2 KV heads, FFN 384, 3 layers
 

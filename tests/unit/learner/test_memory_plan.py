@@ -51,7 +51,7 @@ def test_activation_formula_matches_a_hand_derivation():
 
 
 def MP_published(name):
-    from megatron_darl.learner.checks import PUBLISHED
+    from megatron_darl.model_facts import PUBLISHED
 
     return dict(PUBLISHED[name])
 

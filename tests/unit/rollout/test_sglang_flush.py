@@ -7,7 +7,7 @@ asks for a flush fails on every version while requests run; `abort` ends them an
 moves them back to the waiting queue without KV (ignored while paused), so those flush. Checked
 here: the project's rule (`sglang_requests.flushes_cache`) is the release's; the stand-in refuses
 as the release does; the manager's client (`from_config`) and the learner's sender ask for no
-flush under `in_place`. The client before issue 31 asked for one in every mode: its in_place
+flush under `in_place`. An earlier client asked for one in every mode: its in_place
 updates failed against the stand-in.
 """
 
@@ -74,8 +74,9 @@ def test_the_standin_refuses_a_flush_while_in_place_holds_requests_and_the_clien
     from tests.helpers.engines import running_standin, save_wide
     from tests.helpers.sglang_standin import served_calls
 
-    save_wide(tmp_path / "a", seed=1)
-    save_wide(tmp_path / "b", seed=2)
+    # deep enough that 1000 tokens take seconds: the request must still run when the pause comes
+    save_wide(tmp_path / "a", seed=1, num_hidden_layers=12)
+    save_wide(tmp_path / "b", seed=2, num_hidden_layers=12)
     with running_standin(tmp_path / "a", tmp_path) as (url, calls):
         in_place = asyncio.run(_update_while_held(url, "in_place", str(tmp_path / "b"), 1))
         retract = asyncio.run(_update_while_held(url, "retract", str(tmp_path / "b"), 3))
@@ -102,7 +103,7 @@ def test_the_sender_flushes_on_the_last_bucket_only_where_the_pause_mode_allows(
     from megatron_darl.config import load_config
     from megatron_darl.trainer.rank import _weight_sender
 
-    info = SimpleNamespace(weights_kind="distributed", notice=str(tmp_path / "notice.json"), master_addr="127.0.0.1",
+    info = SimpleNamespace(weight_sync="distributed", notice=str(tmp_path / "notice.json"), master_addr="127.0.0.1",
                            weights_root=str(tmp_path / "fb"))
     learner = SimpleNamespace(is_main=True, hf_folder_info=lambda: ({}, []))
     flags = {}
