@@ -15,14 +15,12 @@ DARL_REQUIRE_NETWORK=1; any other failed download fails them). Checked:
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import math
 import re
 
 import pytest
-
-from tests.helpers.sglang_release import require_release
+import tomllib
 
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.engine import requests as er
@@ -31,6 +29,7 @@ from megatron_darl.rollout.sglang_client import SGLangClient
 from megatron_darl.rollout.workflow import GroupWorkflow
 from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
 from tests.helpers import REPO
+from tests.helpers.sglang_release import require_release
 
 VOCAB = 151_936
 
@@ -65,9 +64,8 @@ def client_bodies() -> list[dict]:
 def test_the_pinned_release_is_the_one_checked_here(release):
     pins = (REPO / "requirements-sglang.txt").read_text()
     assert f"\nsglang=={release.version}\n" in pins, "requirements-sglang.txt pins the release these tests read"
-    extras = next(k.value for n in ast.walk(ast.parse((REPO / "setup.py").read_text()))
-                  if isinstance(n, ast.Call) for k in n.keywords if k.arg == "extras_require")
-    reqs = [r for v in ast.literal_eval(extras).values() for r in v]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + [r for v in project["optional-dependencies"].values() for r in v]
     # sglang requires torch==2.14.1, this package torch==2.13.0: an extra with it cannot install
     assert not [r for r in reqs if r.lower().startswith("sglang")], reqs
     readme = (REPO / "README.md").read_text()
@@ -81,7 +79,8 @@ def test_every_generate_body_is_admitted_by_the_release(release, i):
     release.check_io_body("GenerateReqInput", body)
     # the seed travels under SGLang's name, so the request's randomness is really fixed
     if body["sampling_params"].get("sampling_seed") is not None:
-        assert release.SamplingParams(**body["sampling_params"]).sampling_seed == body["sampling_params"]["sampling_seed"]
+        assert (release.SamplingParams(**body["sampling_params"]).sampling_seed
+                == body["sampling_params"]["sampling_seed"])
 
 
 def test_the_old_seed_key_is_what_the_release_refuses(release):
@@ -262,9 +261,9 @@ def test_engine_answers_have_the_release_shape_and_spans(release):
 def test_distributed_update_bodies_fit_the_release_request_classes(release):
     """Every body the learner's sender posts, as it posts them: the join, a bucket before the
     last (no version, no cache flush), the last bucket, the leave."""
-    from megatron_darl.learner.weights import describe
-
     import torch
+
+    from megatron_darl.learner.weights import describe
 
     bucket = [("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4, dtype=torch.bfloat16))]
     meta = describe(bucket)
