@@ -24,8 +24,8 @@ optimizer steps, publication). Overlapping them perfectly would take max(T_gen, 
 T_gen + T_train: ideal = (T_gen + T_train) / max(T_gen, T_train); efficiency = speedup / ideal.
 Prints a table and, last, one JSON line.
 What it is not: a learning comparison (scripts/compare_async.py); numbers depend on the machine
-and on whatever else runs on it (on 2 cores the engine, the rollout manager, the reward worker
-and the learner share them, so overlap cannot be perfect).
+and on whatever else runs on it (on a small machine the engine, the rollout manager, the reward
+worker and the learner share its cores, so overlap cannot be perfect).
 
     python3 bench/async_speedup.py [--rounds 3] [--steps 12] [--methods decoupled_areal darl] [--quick]
 """
@@ -42,8 +42,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiment.api import METHODS, method_window  # noqa: E402
-from experiment.runs import child_env, prepare_warm_start  # noqa: E402
+from experiment.api import METHODS, method_window
+from experiment.runs import child_env, prepare_warm_start
 
 
 def run(out: str, name: str, config: str, warm: str, overrides: list[str], timeout_s: float) -> list[dict]:
@@ -125,7 +125,8 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench_async")
     p.add_argument("--methods", nargs="+", default=["decoupled_areal", "darl"], choices=["decoupled_areal", "darl"])
     p.add_argument("--etas", nargs="+", type=int, default=[1, 2, 4], help="asynchronous bounds (0 is always run)")
-    p.add_argument("--rounds", type=int, default=1, help="alternated rounds; medians over them (3 for docs/measurements.md)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternated rounds; medians over them (3 for docs/measurements.md)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=5,
                    help="first steps left out of the steady state (start-up; D-ARL's selection warmup is 5)")

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.engine.decoder import Decoder, Sequence  # noqa: E402
-from megatron_darl.types import SamplingParams  # noqa: E402
+from megatron_darl.engine.decoder import Decoder, Sequence
+from megatron_darl.types import SamplingParams
 
 BATCHES = (8, 32, 64)
 PROMPT_LEN = 16
@@ -107,20 +107,22 @@ def main() -> None:
         dec = Decoder(path, device=args.device, max_batch=max(BATCHES))
         vocab = dec.spec.vocab_size
         params = sum(p.numel() for p in model.parameters())
-        result: dict[str, float | int | str] = {"params": params, "threads": args.threads, "new_tokens": args.new_tokens,
-                                                "prompt_len": PROMPT_LEN, "device": args.device}
+        result: dict[str, float | int | str] = {"params": params, "threads": args.threads,
+                                                "new_tokens": args.new_tokens, "prompt_len": PROMPT_LEN,
+                                                "device": args.device}
         gen = torch.Generator().manual_seed(1)
         _engine_run(dec, torch.randint(0, vocab, (2, PROMPT_LEN)), 4)  # warm-up both
         _hf_run(model, torch.randint(0, vocab, (2, PROMPT_LEN), device=args.device), 4)
         for b in BATCHES:
             prompts = torch.randint(0, vocab, (b, PROMPT_LEN), generator=gen).to(args.device)
             tokens = b * args.new_tokens
-            t_eng, t_hf = _best_pair(lambda: _engine_run(dec, prompts, args.new_tokens),
-                                     lambda: _hf_run(model, prompts, args.new_tokens), args.reps)
+            t_eng, t_hf = _best_pair(lambda p=prompts: _engine_run(dec, p, args.new_tokens),
+                                     lambda p=prompts: _hf_run(model, p, args.new_tokens), args.reps)
             result[f"engine_tok_s_b{b}"] = round(tokens / t_eng, 1)
             result[f"hf_generate_tok_s_b{b}"] = round(tokens / t_hf, 1)
             result[f"ratio_b{b}"] = round(t_hf / t_eng, 2)
-            print(f"batch {b:3d}: engine {tokens / t_eng:9.1f} tok/s, transformers generate() {tokens / t_hf:9.1f} tok/s, "
+            print(f"batch {b:3d}: engine {tokens / t_eng:9.1f} tok/s, "
+                  f"transformers generate() {tokens / t_hf:9.1f} tok/s, "
                   f"ratio {t_hf / t_eng:5.2f}", flush=True)
         seqs = _engine_run(dec, torch.randint(0, vocab, (8, PROMPT_LEN), generator=gen), args.new_tokens)
         result["engine_logprob_max_abs_err"] = float(f"{_logprob_error(model, seqs):.3g}")

@@ -1,4 +1,4 @@
-"""Benchmark: darl-engine under hostile and careless clients (issue 34), one real engine on 127.0.0.1.
+"""Benchmark: darl-engine under hostile and careless clients, one real engine on 127.0.0.1.
 
 What it is: the probes that found the defects, against one `darl-engine` process on the demo's
 model shape (`config.learner.TINY_QWEN3`, random weights, the demo tokenizer's 89 ids; or
@@ -34,8 +34,8 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.channel.ports import free_port  # noqa: E402
-from megatron_darl.engine.server import engine_command  # noqa: E402
+from megatron_darl.channel.ports import free_port
+from megatron_darl.engine.server import engine_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = list(range(3, 19))  # 16 tokens
@@ -118,12 +118,14 @@ async def probe_hang_up(session, url: str, clients: int) -> dict:
 
     async def leaver(i):
         try:
-            await post(session, url + "/generate", gen_body(f"gone{i}", max_new_tokens=240, ignore_eos=True), timeout=0.5)
+            await post(session, url + "/generate", gen_body(f"gone{i}", max_new_tokens=240, ignore_eos=True),
+                       timeout=0.5)
         except asyncio.TimeoutError:
             pass
 
     await asyncio.gather(*(leaver(i) for i in range(clients)))
-    fresh = await asyncio.gather(*(post(session, url + "/generate", gen_body(f"fresh{i}", max_new_tokens=16, ignore_eos=True))
+    fresh = await asyncio.gather(*(post(session, url + "/generate",
+                                        gen_body(f"fresh{i}", max_new_tokens=16, ignore_eos=True))
                                    for i in range(8)))
     await asyncio.sleep(1.0)
     now = await info(session, url)
@@ -140,7 +142,8 @@ def strict_json(raw: bytes):
 
 
 async def probe_temperature(session, url: str) -> dict:
-    outs = await asyncio.gather(*(post(session, url + "/generate", gen_body(f"t{i}", temperature=t, max_new_tokens=16, ignore_eos=True))
+    outs = await asyncio.gather(*(post(session, url + "/generate",
+                                       gen_body(f"t{i}", temperature=t, max_new_tokens=16, ignore_eos=True))
                                   for i, t in enumerate([1e-40, 1e-7] * 25)))
     errors = 0
     for status, raw, _ in outs:
@@ -152,7 +155,8 @@ async def probe_temperature(session, url: str) -> dict:
     return {"requests": len(outs), "errors": errors, "lat": [t for _, _, t in outs], "note": "200, finite log-probs"}
 
 
-async def probe_expect(session, url: str, bodies: list[bytes], expect: int, note: str, route: str = "/generate") -> dict:
+async def probe_expect(session, url: str, bodies: list[bytes], expect: int, note: str,
+                       route: str = "/generate") -> dict:
     outs = await asyncio.gather(*(post(session, url + route, b) for b in bodies))
     return {"requests": len(outs), "errors": sum(s != expect for s, _, _ in outs), "lat": [t for _, _, t in outs],
             "note": f"{note}: {sorted({s for s, _, _ in outs})}"}
@@ -162,7 +166,8 @@ async def raw_client(port: int, close_after_s: float | None) -> tuple[float, byt
     """Announce a 1000-byte body, send 10 bytes, then wait for the answer (or hang up)."""
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n")
     writer.write(b'{"input_i')
     await writer.drain()
     if close_after_s is not None:
@@ -177,7 +182,8 @@ async def raw_client(port: int, close_after_s: float | None) -> tuple[float, byt
 async def probe_stalled(port: int) -> dict:
     outs = await asyncio.gather(*(raw_client(port, None) for _ in range(5)))
     errors = sum(not a.startswith(b"HTTP/1.1 408") for _, a in outs)
-    return {"requests": 5, "errors": errors, "lat": [t for t, _ in outs], "note": "408 and closed after --body-timeout-s 2"}
+    return {"requests": 5, "errors": errors, "lat": [t for t, _ in outs],
+            "note": "408 and closed after --body-timeout-s 2"}
 
 
 async def probe_slow_leavers(port: int, log_path: str) -> dict:
@@ -195,8 +201,10 @@ async def probe_slow_leavers(port: int, log_path: str) -> dict:
 async def probe_versions(session, url: str, model: str) -> dict:
     bodies = [json.dumps({"model_path": model, "weight_version": v}).encode() for v in ("-5", str(10**29))]
     out = await probe_expect(session, url, bodies, 400, "weight_version -5, 10**29", "/update_weights_from_disk")
-    status, _, _ = await post(session, url + "/update_weights_from_disk", json.dumps({"model_path": model, "weight_version": "7"}).encode())
-    back = await post(session, url + "/update_weights_from_disk", json.dumps({"model_path": model, "weight_version": "6"}).encode())
+    status, _, _ = await post(session, url + "/update_weights_from_disk",
+                              json.dumps({"model_path": model, "weight_version": "7"}).encode())
+    back = await post(session, url + "/update_weights_from_disk",
+                      json.dumps({"model_path": model, "weight_version": "6"}).encode())
     out["requests"] += 2
     out["errors"] += (status != 200) + (back[0] != 400)
     out["lat"].append(back[2])
@@ -269,7 +277,8 @@ def main() -> None:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     sys.exit(f"darl-engine did not start:\n{open(log_path).read()[-3000:]}")
                 time.sleep(0.2)
-        print(f"darl-engine pid {proc.pid} on {url}, {args.threads} thread(s), max batch 64, log {log_path}", flush=True)
+        print(f"darl-engine pid {proc.pid} on {url}, {args.threads} thread(s), max batch 64, log {log_path}",
+              flush=True)
         rows = asyncio.run(run_probes(url, port, proc.pid, model, log_path, args.clients))
     finally:
         proc.terminate()
@@ -277,8 +286,9 @@ def main() -> None:
     tracebacks = open(log_path).read().count("Traceback")
     print("\n| probe | requests | errors | p50 | p99 | /health worst | RSS | note |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['probe']} | {r['requests']} | {r['errors']} | {r['p50_s'] * 1000:.0f} ms | {r['p99_s'] * 1000:.0f} ms "
-              f"| {r['health_worst_s'] * 1000:.0f} ms | {r['rss_mib']:.0f} MiB | {r['note']} |")
+        print(f"| {r['probe']} | {r['requests']} | {r['errors']} | {r['p50_s'] * 1000:.0f} ms "
+              f"| {r['p99_s'] * 1000:.0f} ms | {r['health_worst_s'] * 1000:.0f} ms | {r['rss_mib']:.0f} MiB "
+              f"| {r['note']} |")
     print(f"\ntracebacks in the engine log: {tracebacks}")
     print(json.dumps({"rows": rows, "tracebacks": tracebacks}))
 

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.channel.shm_ring import ShmRing  # noqa: E402
+from megatron_darl.channel.shm_ring import ShmRing
 
 KIB = 1024
 SIZES = (4 * KIB, 64 * KIB, 1024 * KIB, 16 * 1024 * KIB, 64 * 1024 * KIB)

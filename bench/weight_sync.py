@@ -9,8 +9,9 @@ parameter bytes, unconverted, to one file in the same folder (the floor of any p
 that medium). Both to /dev/shm (how embedded engines on the node receive weights) and to disk
 (`--disk-dir`, how SGLang servers do; the filesystem type is printed, since a tmpfs /tmp is no
 disk). After one untimed publication, runs alternate (publish, copy, publish, ...) and the median
-of `--reps` is reported; the published folder is deleted between runs. Prints one line per (size, destination) and, last,
-one JSON line with every figure and `publish_over_copy` per destination at the largest size.
+of `--reps` is reported; the published folder is deleted between runs. Prints one line per
+(size, destination) and, last, one JSON line with every figure and `publish_over_copy` per
+destination at the largest size.
 Then the time per version until an engine serves it, the two ways `rollout.weight_sync` offers,
 with a real `darl-engine` (CPU) started on the model: *disk* = `Publisher.publish` to the disk
 folder + the engine's `/update_weights_from_disk` (it reads, checks and swaps in the folder);
@@ -18,7 +19,7 @@ folder + the engine's `/update_weights_from_disk` (it reads, checks and swaps in
 check, no file) + `WeightSender.serve` (one bucket post per 256 MB and one gloo broadcast per
 tensor to the engine, which checks and swaps them in); the engine joins its group once, untimed.
 `disk/dist` is their ratio (median of `--reps` each, alternated).
-What it is not: an NCCL broadcast (GPU clusters; README projects it), or several engines; numbers
+What it is not: an NCCL broadcast (GPU clusters; docs/clusters.md projects it), or several engines; numbers
 depend on the machine and on whatever else runs on it.
 
     python3 bench/weight_sync.py [--sizes 10 50 100 250 500] [--reps 3] [--disk-dir DIR] [--quick]
@@ -40,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_darl.trainer.publication import Publisher  # noqa: E402
+from megatron_darl.trainer.publication import Publisher
 
 VOCAB = 32000
 
@@ -48,7 +49,8 @@ VOCAB = 32000
 def hf_config(target_m: float) -> dict:
     """A Qwen3 config.json of about `target_m` million parameters (tied embeddings, GQA 4:1)."""
     target = target_m * 1e6
-    h = 256 if target_m <= 20 else 512 if target_m <= 60 else 768 if target_m <= 150 else 1024 if target_m <= 300 else 1280
+    h = (256 if target_m <= 20 else 512 if target_m <= 60 else 768 if target_m <= 150
+         else 1024 if target_m <= 300 else 1280)
     inter, head_dim = 3 * h, 64
     heads = h // head_dim
     kv = max(1, heads // 4)
@@ -258,7 +260,8 @@ def main() -> int:
                       f"{m['copy_s']:8.2f} {nbytes / 1e9 / m['publish_s']:12.2f} {nbytes / 1e9 / m['copy_s']:10.2f} "
                       f"{row['ratio']:12.2f}", flush=True)
             v = measure_versions(learner, os.path.join(dests["disk"], f"v{size:g}"), args.reps)
-            v.update({"target_m": size, "params": n, "bytes": nbytes, "disk_over_dist": v["disk_version_s"] / v["dist_version_s"]})
+            v.update({"target_m": size, "params": n, "bytes": nbytes,
+                      "disk_over_dist": v["disk_version_s"] / v["dist_version_s"]})
             versions.append(v)
             print(f"{n / 1e6:7.1f}M per version until the engine serves it: disk {v['disk_version_s']:.2f} s, "
                   f"distributed (gloo) {v['dist_version_s']:.2f} s, disk/dist {v['disk_over_dist']:.2f}", flush=True)

@@ -110,7 +110,8 @@ class GPTAdapter(ModelAdapter):
         self.ffn, self.vocab_size = c["intermediate_size"], c["vocab_size"]
         self.tied = bool(c.get("tie_word_embeddings", False))
         if self.heads % self.kv_heads:
-            raise CheckpointError(f"num_attention_heads={self.heads} not divisible by num_key_value_heads={self.kv_heads}")
+            raise CheckpointError(f"num_attention_heads={self.heads} not divisible by "
+                                  f"num_key_value_heads={self.kv_heads}")
         self._rules = self._layer_rules()
 
     # ---- the table: mcore layer suffix -> (kind, HF suffixes, TP split) ----
@@ -120,7 +121,8 @@ class GPTAdapter(ModelAdapter):
         mlp_norm = "mlp.linear_fc1.layer_norm_weight" if self.spec == "te" else "pre_mlp_layernorm.weight"
         rules = {
             in_norm: ("copy", ("input_layernorm.weight",), "replicated"),
-            "self_attention.linear_qkv.weight": ("qkv", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "dim0"),
+            "self_attention.linear_qkv.weight": ("qkv", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                                                 "dim0"),
             "self_attention.linear_proj.weight": ("copy", (a + "o_proj.weight",), "dim1"),
             mlp_norm: ("copy", ("post_attention_layernorm.weight",), "replicated"),
             "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
@@ -130,7 +132,8 @@ class GPTAdapter(ModelAdapter):
             rules["self_attention.q_layernorm.weight"] = ("copy", (a + "q_norm.weight",), "replicated")
             rules["self_attention.k_layernorm.weight"] = ("copy", (a + "k_norm.weight",), "replicated")
         if self.family.qkv_bias:
-            rules["self_attention.linear_qkv.bias"] = ("qkv", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "dim0")
+            rules["self_attention.linear_qkv.bias"] = ("qkv", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                                                       "dim0")
         return rules
 
     def _rule(self, mcore_name: str) -> tuple[str, tuple[str, ...], str]:

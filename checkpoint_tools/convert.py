@@ -99,7 +99,20 @@ def _total(adapter: GPTAdapter, tp: int, pp: int) -> int:
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None, spec: str = "local",
                 make_vocab_size_divisible_by: int = 128, overwrite: bool = False, progress: bool = True) -> McoreMeta:
-    """Convert an HF safetensors folder to Megatron-LM per-rank files (see `mcore_format.py`)."""
+    """Convert an HF safetensors folder to Megatron-LM per-rank files (see `mcore_format.py`).
+
+    Args:
+        hf_dir: the HF model folder (config.json, safetensors, tokenizer files).
+        out: the output folder, created empty (see `overwrite`).
+        tp: tensor-parallel size of the output, >= 1 (1: unsharded).
+        pp: pipeline-parallel size of the output, >= 1; the layers split evenly across stages.
+        dtype: cast every tensor to this (`bf16`, `fp16`, `fp32` or their long names);
+            None keeps the source's dtype.
+        spec: Megatron layer spec the names follow: `local` (CPU modules) or `te` (Transformer Engine).
+        make_vocab_size_divisible_by: the vocab rows are padded to a multiple of this times `tp`.
+        overwrite: replace an existing non-empty `out`; False raises instead.
+        progress: show a tqdm bar, one tick per tensor written.
+    """
     adapter = get_adapter(read_config(hf_dir), spec, make_vocab_size_divisible_by)
     check_layout(adapter, tp, pp)
     reader = HFReader(hf_dir)
@@ -178,7 +191,8 @@ def _repad(full: torch.Tensor, adapter: GPTAdapter, name: str, tp: int) -> torch
         return full
     rows = adapter.shape(name, tp)[0]
     body = full[: adapter.vocab_size]
-    return torch.cat([body, body.new_zeros((rows - body.shape[0],) + tuple(body.shape[1:]))]) if rows > body.shape[0] else body
+    return (torch.cat([body, body.new_zeros((rows - body.shape[0],) + tuple(body.shape[1:]))])
+            if rows > body.shape[0] else body)
 
 
 def reshard(mcore_dir: str, out: str, tp: int, pp: int, overwrite: bool = False, progress: bool = True) -> McoreMeta:
@@ -197,7 +211,8 @@ def reshard(mcore_dir: str, out: str, tp: int, pp: int, overwrite: bool = False,
     os.makedirs(os.path.join(out, HF_EXTRA_DIR))
     copy_side_files(src_extra, os.path.join(out, HF_EXTRA_DIR))
     new = McoreMeta(**{**meta.__dict__, "tp": tp, "pp": pp,
-                       "padded_vocab_size": padded_vocab_size(adapter.vocab_size, tp, meta.make_vocab_size_divisible_by)})
+                       "padded_vocab_size": padded_vocab_size(adapter.vocab_size, tp,
+                                                              meta.make_vocab_size_divisible_by)})
     write_meta(out, new)
     return new
 
@@ -219,7 +234,18 @@ def _generation_config(cfg: dict) -> dict:
 
 def mcore_to_hf(mcore_dir: str, out: str, tokenizer_dir: str | None = None, dtype: str | None = None,
                 max_shard_size: str = "2GB", overwrite: bool = False, progress: bool = True) -> list[str]:
-    """Export a converted Megatron checkpoint as an HF folder; returns the safetensors file names."""
+    """Export a converted Megatron checkpoint as an HF folder; returns the safetensors file names.
+
+    Args:
+        mcore_dir: a checkpoint written by `hf_to_mcore` or `reshard` (any tp, pp).
+        out: the output HF folder, created empty (see `overwrite`).
+        tokenizer_dir: a folder whose tokenizer/generation-config files override the copies carried
+            in the checkpoint; None uses the carried copies only.
+        dtype: cast every tensor to this (`bf16`, `fp16`, `fp32` or long names); None keeps the saved dtype.
+        max_shard_size: the cap per safetensors file, e.g. `2GB`, `500MB`, `2GiB` or a byte count.
+        overwrite: replace an existing non-empty `out`; False raises instead.
+        progress: show a tqdm bar, one tick per HF tensor written.
+    """
     meta = read_meta(mcore_dir)
     adapter = get_adapter(meta.hf_config, meta.spec, meta.make_vocab_size_divisible_by)
     to_dtype, cap = parse_dtype(dtype), parse_size(max_shard_size)

@@ -1,24 +1,25 @@
 """Which runs the experiment makes: sizes, the learning-rate tuning phase and the main grid.
 
 What it is: `Size` (methods, etas, seeds, steps, the learning-rate grid, the tuning eta and
-seeds, and the run settings every run shares), four sizes: `SIZES["budget"]` (issue 30: the
+seeds, and the run settings every run shares), four sizes: `SIZES["budget"]` (the
 sample budget as the stop, two regimes (`Regime`), a disjoint test split, the baseline, three
-replay cells and D-ARL's two ablations, 5 seeds; `budget_steps` estimates its steps), `SIZES["seeds"]` (the comparison in
-the seeds' regime, the script's default: eta = 1, K = 4, several minibatches, 3-term sums,
-60 steps, 4 seeds, two rates as a factor, the higher one from a short pilot: `pilot_specs`,
-`pilot_choice`; under 95 minutes on a quiet 2-core machine), `SIZES["etas"]` (every method
-tuned, at eta = 1, 2, 4, 8, and D-ARL's ablations: the earlier comparison, about 2 hours) and
-`SIZES["quick"]` (CI: decoupled PPO and D-ARL at eta = 1, 2 seeds, 4 steps: the real runs behind the
-outputs and D-ARL's paired tests; the tables of four methods are checked on synthetic runs); `tuning_specs` /
-`best_settings` / `main_specs`, and `estimate_s`, the time budget of a plan from per-step timings.
+replay cells and D-ARL's two ablations, 5 seeds; `budget_steps` estimates its steps),
+`SIZES["seeds"]` (the comparison in the seeds' regime, the script's default: eta = 1, K = 4,
+several minibatches, 3-term sums, 60 steps, 4 seeds, two rates as a factor, the higher one from
+a short pilot: `pilot_specs`, `pilot_choice`; its time budget: `estimate_s`), `SIZES["etas"]`
+(every method tuned, at eta = 1, 2, 4, 8, and D-ARL's ablations: the earlier comparison) and
+`SIZES["quick"]` (CI: decoupled PPO and D-ARL at eta = 1, 2 seeds, 4 steps: the real runs
+behind the outputs and D-ARL's paired tests; the tables of four methods are checked on
+synthetic runs); `tuning_specs` / `best_settings` / `main_specs`, and `estimate_s`, the time
+budget of a plan from per-step timings.
 
 The tuning protocol (the same for every method): each main method runs once per setting of the
 grid (learning rates x, optionally, `algo.ppo_n_minibatches` values) at the tuning eta with the
 tuning seeds; the setting with the highest mean AUC (mean held-out accuracy over the samples
 budget) wins, ties going to the smaller rate. The main grid then runs every method at its own
 best setting, at every eta, with every seed; a tuning run with the same settings as a main run
-is that run (done once). The ablations of D-ARL use D-ARL's setting and run at the tuning eta only (the replay-depth ablation equal to D-ARL's own depth is D-ARL's
-runs, not run twice).
+is that run (done once). The ablations of D-ARL use D-ARL's setting and run at the tuning eta
+only (the replay-depth ablation equal to D-ARL's own depth is D-ARL's runs, not run twice).
 What it is not: the run driver (`runs.py`) or the statistics (`analysis.py`).
 """
 
@@ -60,7 +61,7 @@ class Size:
     pilot_method: str = "decoupled_areal"
     pilot_clip: float = 0.03  # the pilot's rate: the smallest on which the PPO clip acts on this share of tokens
     warm_range: tuple[float, float] | None = None  # the warm start's accuracy must lie in it (else stop)
-    # the budget size (issue 30): runs stop at `budget` generated samples (steps is only a cap),
+    # the budget size: runs stop at `budget` generated samples (steps is only a cap),
     # evaluated every `every_samples`; every method runs in every regime (its eta replaces etas),
     # the ablations in `ablation_regimes`; `accuracy_eval` is the curve the figures read
     budget: int = 0
@@ -107,7 +108,8 @@ class Size:
         if unknown:
             errs.append(f"ablation_regimes {unknown} are not among the regimes {[r.name for r in self.regimes]}")
         if self.baseline not in self.methods:
-            errs.append(f"the figures need the baseline {self.baseline!r} among the methods (its accuracy is the target)")
+            errs.append(f"the figures need the baseline {self.baseline!r} among the methods "
+                        "(its accuracy is the target)")
         if self.accuracy_eval not in ("greedy", "sampled"):
             errs.append(f"accuracy_eval={self.accuracy_eval!r}: greedy or sampled")
         return errs
@@ -116,7 +118,7 @@ class Size:
 # The demo recipe (configs/cpu_demo_darl.yaml) with half its batch, so that a run is short and
 # its curve has many points per generated sample, and a paced learner: every step lasts at least
 # `demo.min_step_s` (the learner sleeps the rest). Without pacing, generation is the slower side on
-# 2 shared cores and trained data stays about 1-2 versions old whatever eta allows (measured:
+# a small shared CPU machine and trained data stays about 1-2 versions old whatever eta allows (measured:
 # decoupled at eta = 4 and 8 averaged 1.9 and 2.1); a learner slower than generation lets the
 # engines run eta versions ahead, as a learner on its own (busy) hardware would.
 _SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=500", "demo.min_step_s=1.0")
@@ -134,7 +136,7 @@ _SETTINGS = ("train.batch_prompts=32", "eval.num_problems=500", "data.eval_size=
 _SEEDS_REGIME = (*_SETTINGS, "algo.ppo_n_minibatches=4", "data.dataset_kwargs.min_terms=3",
                  "data.dataset_kwargs.max_terms=3", "demo.sft_steps=1200", "demo.sft_target=0.12")
 
-# The sample-budget comparison (issue 30): the demo's 2-term chain_sum (the task on which RL gains
+# The sample-budget comparison: the demo's 2-term chain_sum (the task on which RL gains
 # +13 to +20 points), questions split by hash into disjoint train / validation / test sets, a
 # warm start of a fixed 450 steps (nothing selected: a probe that stopped it at 25% on the
 # validation split started RL from 24.8% on the test split against 21.8% (SD 2.7) for its last
@@ -150,7 +152,7 @@ _BUDGET_SETTINGS = ("train.batch_prompts=32", "train.steps=2000", "eval.num_prob
                     "data.partition=hash", "data.val_size=500", "demo.sft_steps=450", "demo.sft_target=0",
                     f"train.max_generated_samples={BUDGET}", f"eval.every_samples={BUDGET_EVERY}",
                     "eval.sampled_k=4", "eval.sampled_temperature=1.0", "algo.warmup=0", "algo.reuse_order=freshest")
-# (a) generation-bound: the learner unpaced (demo.min_step_s=0, the issue's "train.min_step_s"),
+# (a) generation-bound: the learner unpaced (demo.min_step_s=0, formerly "train.min_step_s"),
 # the regime replay is for; (b) staleness-bound: a learner paced to >= 1 s a step at eta = 4, so
 # generation runs eta versions ahead and the behavior-policy mismatch bites
 REGIMES = (Regime("gen", 1, ("demo.min_step_s=0",), "generation-bound: unpaced learner, eta = 1"),
@@ -160,8 +162,8 @@ SIZES: dict[str, Size] = {
     "quick": Size(
         name="quick", methods=("decoupled_areal", "darl"), ablations=(), etas=(1,),
         seeds=(0, 1), lr_grid=(5e-5,), tune_eta=1, tune_seeds=(0,), steps=4, every=2,
-        settings=("demo.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40", "data.eval_size=40",
-                  "algo.warmup=0", "logging.tensorboard=true", "demo.min_step_s=0.5")),
+        settings=("demo.sft_steps=60", "train.batch_prompts=8", "rollout.group_size=4", "eval.num_problems=40",
+                  "data.eval_size=40", "algo.warmup=0", "logging.tensorboard=true", "demo.min_step_s=0.5")),
     "etas": Size(
         name="etas", methods=tuple(MAIN_METHODS), ablations=tuple(ABLATIONS), etas=(1, 2, 4, 8),
         seeds=(0, 1, 2), lr_grid=(2.5e-5, 5e-5, 1e-4), tune_eta=4, tune_seeds=(0,), steps=25, every=5,

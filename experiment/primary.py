@@ -1,4 +1,4 @@
-"""The sample-budget comparison's decided figures: its design and its primary tests (issue 30).
+"""The sample-budget comparison's decided figures: its design and its primary tests.
 
 What it is: the definitions the `budget` size commits to before any run (`design`,
 `primary_definitions`, written into results.json at plan time), the two per-run figures, and the
@@ -130,7 +130,7 @@ def ratio_interval(a: dict[int, float], b: dict[int, float]) -> dict:
 
 def baseline_gains(runs: list[RunResult], size) -> dict[str, float]:
     """Per regime, the baseline's mean over seeds of accuracy at the budget minus step 0: the
-    testbed has RL signal where this reaches `size.gain_gate` (issue 30: +8 points)."""
+    testbed has RL signal where this reaches `size.gain_gate` (+8 points)."""
     out = {}
     for reg in size.regimes:
         base = _per_seed(runs, size.baseline, reg.name, size)

@@ -15,7 +15,16 @@ from __future__ import annotations
 import math
 import os
 
-from experiment.analysis import COLLAPSE_DROP, THRESHOLD_FRAC, auc, band, eta_figures, holm, paired_test, run_accuracy_at
+from experiment.analysis import (
+    COLLAPSE_DROP,
+    THRESHOLD_FRAC,
+    auc,
+    band,
+    eta_figures,
+    holm,
+    paired_test,
+    run_accuracy_at,
+)
 from experiment.api import METHODS, REPLAY_DEPTH, RunResult, Setting, darl_window
 from experiment.plan import Size
 
@@ -132,7 +141,8 @@ def _table(fig: dict, tuned: dict[str, dict]) -> list[str]:
         reach = (f"{_num(row['samples_to_threshold'], '.0f')} ({row['reached_threshold']}/{row['seeds']}, "
                  f"{row['reached_at_first_eval']} at the 1st evaluation)")
         stale = f"{_num(row['staleness_mean'], '.2f')} / {_num(row['staleness_max'], '.0f')}"
-        lines.append(f"| {METHODS[name].label} | {setting['label']} | {_pct(row['final_accuracy'], row['final_accuracy_ci95'])} "
+        lines.append(f"| {METHODS[name].label} | {setting['label']} "
+                     f"| {_pct(row['final_accuracy'], row['final_accuracy_ci95'])} "
                      f"| {_pct(row['auc'], row['auc_ci95'])} | {reach} | {row['collapses']}/{row['seeds']} "
                      f"| {_num(row['ess_min'], '.3f')} | {stale} | {_num(row['train_wall_s'], '.0f')} "
                      f"| {_num(row['samples_generated'], '.0f')} |")
@@ -222,7 +232,8 @@ def _pilot_lines(pilot: dict | None) -> list[str]:
     why = (f"the smallest whose clip fraction reached {_pct(pilot['threshold'])}%" if pilot["reached"] else
            f"none reached {_pct(pilot['threshold'])}%: the largest tried")
     return [f"Pilot: {METHODS[pilot['method']].label}, {pilot['steps']} steps from the warm start, one seed, "
-            f"at rates {' / '.join(rates)}: PPO clip fraction {' / '.join(_pct(pilot['clip_frac'][r]) for r in rates)}%, "
+            f"at rates {' / '.join(rates)}: "
+            f"PPO clip fraction {' / '.join(_pct(pilot['clip_frac'][r]) for r in rates)}%, "
             f"final accuracy {' / '.join(_pct(pilot['final_accuracy'][r]) for r in rates)}%. Second rate "
             f"{pilot['rate']:g}, {why}.", ""]
 

@@ -87,7 +87,8 @@ def _rows(rows: list[dict], holm: bool) -> list[str]:
     for r in rows:
         diff, means, ratio = _fmt(r)
         p = _n(r.get("p"), 1, ".3f")
-        line = (f"| {r['regime']} | {METHODS[r['a']].label} | {METHODS[r['b']].label} | {r['metric'].replace('_', ' ')} "
+        line = (f"| {r['regime']} | {METHODS[r['a']].label} | {METHODS[r['b']].label} "
+                f"| {r['metric'].replace('_', ' ')} "
                 f"| {diff} | {means} | {ratio} | {r.get('seeds', 0)} | {p} |")
         out.append(line + (f" {_n(r.get('p_holm'), 1, '.3f')} |" if holm else ""))
     return out
@@ -124,7 +125,8 @@ def budget_markdown(rep: dict) -> list[str]:
                 "(rollout/staleness.py): a group that finishes after groups admitted later can be trained eta + 1 "
                 "versions after its first token.", ""]
     if rep["sampled_primary"]:
-        out += ["The same tests on avg@4 at temperature 1 (a diagnostic):", "", *_rows(rep["sampled_primary"], True), ""]
+        out += ["The same tests on avg@4 at temperature 1 (a diagnostic):", "",
+                *_rows(rep["sampled_primary"], True), ""]
     if rep["diagnostics"]:
         out += ["## Diagnostics (each other cell against the baseline and D-ARL; p Holm over the diagnostics only)", "",
                 *_rows(rep["diagnostics"], True), ""]

@@ -10,8 +10,8 @@ verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay
   of tokens); the warm start must lie in 10-35% or it stops before the main runs;
 - `etas`: every method tuned on one grid at one eta, then run at eta = 1, 2, 4, 8, and D-ARL's
   ablations;
-- `quick`: CI, about 4 minutes: decoupled PPO and D-ARL at eta = 1, 2 seeds, 4 steps each;
-- `budget` (issue 30): the sample budget as the stop. 2-term chain_sum split by question hash
+- `quick`: CI, a few minutes: decoupled PPO and D-ARL at eta = 1, 2 seeds, 4 steps each;
+- `budget`: the sample budget as the stop. 2-term chain_sum split by question hash
   into disjoint train / validation / test sets, a warm start of a fixed 450 steps, curves on
   1000 test questions (greedy, and avg@4 at temperature 1) every 4096 generated samples; every
   run stops at 32768 generated samples; a generation-bound regime (`gen`: unpaced learner, eta 1)
@@ -32,7 +32,7 @@ What it is not: a benchmark of speed (bench/async_speedup.py) or a verdict: it p
 measures, whichever method wins.
 
     python scripts/compare_async.py --quick --out /tmp/cmp        # CI: a few minutes
-    python scripts/compare_async.py --out runs/compare --publish docs/results   # the comparison (< 95 min, 2 cores)
+    python scripts/compare_async.py --out runs/compare --publish docs/results   # the comparison
     python scripts/compare_async.py --plan                        # runs and time budget, then exit
     python scripts/compare_async.py --size budget --out runs/budget --publish docs/results   # D-ARL's claim
     python scripts/compare_async.py --size budget --out runs/budget --report-only   # interim: finished runs only
@@ -49,15 +49,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
 
-from experiment import plan as P  # noqa: E402
-from experiment.analysis import collapsed  # noqa: E402
-from experiment.report import build_report, finite, markdown, plot_curves  # noqa: E402
-from experiment.primary import baseline_gains  # noqa: E402
-from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned  # noqa: E402
-from experiment.runs import NotRun, RunFailed, prepare_warm_start, read_result, run_or_reuse  # noqa: E402
-from megatron_darl.launch.warmstart import read_stats  # noqa: E402
+from experiment import plan as P
+from experiment.analysis import collapsed
+from experiment.primary import baseline_gains
+from experiment.report import build_report, finite, markdown, plot_curves
+from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned
+from experiment.runs import NotRun, RunFailed, prepare_warm_start, read_result, run_or_reuse
+from megatron_darl.launch.warmstart import read_stats
 
-# The time budget printed by --plan, for a quiet 2-core machine: seconds per training step by
+# The time budget printed by --plan, for a quiet small CPU machine (docs/measurements.md): seconds per training step by
 # method at the default size (batch 32 x 8, paced to >= 1 s; synchronous steps add generation to
 # it, D-ARL's add the recompute over its candidates), one in-loop evaluation of 500 problems, and
 # the fixed cost of a run (start-up of the launcher, engine, manager and learner, evaluation before
@@ -199,8 +199,8 @@ def _gate(drv: "Driver", size: P.Size, skip: bool) -> str | None:
         return None
     base = drv.run([s for s in P.main_specs(size, {}) if s.method == size.baseline])
     gains = baseline_gains(base, size)
-    print("baseline gain from step 0 at the budget: " + ", ".join(f"{k} {100 * v:+.1f} points" for k, v in gains.items()),
-          flush=True)
+    print("baseline gain from step 0 at the budget: "
+          + ", ".join(f"{k} {100 * v:+.1f} points" for k, v in gains.items()), flush=True)
     low = {k: v for k, v in gains.items() if v < size.gain_gate}
     if low and not skip:
         return (f"the baseline gains less than {100 * size.gain_gate:.0f} points in {sorted(low)}: this testbed has "

@@ -1,4 +1,4 @@
-"""Shared pytest setup: one thread per process (2-core machines), GPU tests skip with a reason,
+"""Shared pytest setup: one thread per process (small CPU machines), GPU tests skip with a reason,
 and the fixtures more than one folder uses, defined once: `warm_model` (a warm-started tiny model,
 made once per session), `demo_tok` (the demo tokenizer) and `sandbox_runs_here` (the code sandbox
 runs on this machine). Harnesses live in `tests/helpers/`. Two plugins are registered here: the
@@ -12,9 +12,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at test time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.helpers import durations, expected_skips  # noqa: E402
+from tests.helpers import durations, expected_skips
 
 
 def pytest_addoption(parser):

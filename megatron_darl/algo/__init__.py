@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .api import *  # noqa: F401,F403
+    from .api import *  # noqa: F403
 
 
 def __getattr__(name: str) -> Any:

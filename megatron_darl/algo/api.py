@@ -19,9 +19,9 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 |---|---|---|
 | grpo_advantages(rewards, group_index, norm_by_std, eps) | [B] | GRPO / Dr.GRPO |
 | rloo_advantages(rewards, group_index) | [B] | leave-one-out baseline |
-| rollout_is_weights(prox, behav, mask, level, mode, threshold, threshold_lower, veto_threshold) | [B,T], metrics | verl rollout IS |
-| ppo_loss(logp, old, adv, mask, clip_low, clip_high, token_weights, ratio_level, loss_denominator) | loss, metrics | clipped PPO |
-| decoupled_ppo_loss(logp, prox, behav, adv, mask, ..., behav_weight_cap, behav_clip) | loss, metrics | AReaL objective |
+| rollout_is_weights(prox, behav, mask, level, mode, threshold, ...) | [B,T], metrics | verl rollout IS |
+| ppo_loss(logp, old, adv, mask, clip_low, clip_high, token_weights, ...) | loss, metrics | clipped PPO |
+| decoupled_ppo_loss(logp, prox, behav, adv, mask, ..., behav_clip) | loss, metrics | AReaL objective |
 | decoupled_weights(prox, behav, mask, behav_weight_cap) | [B,T], metrics | AReaL's capped exp(p - b) |
 | sg_policy_loss(logp, behav, adv, mask, threshold, loss_denominator) | loss, metrics | stop-grad REINFORCE |
 | weighted_surrogate(...), clipped_objective(...), sg_objective(...) | [B,T] | per-token building blocks |
@@ -29,7 +29,7 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | group_scores(scores, group_index, versions) | ids, scores, versions [G] | group mean / oldest |
 | selection_threshold(group_scores, group_versions, quantile, tau_floor) | float | tau |
 | admitted_groups(group_scores, group_versions, quantile, tau_abs, tau_floor) | tau, [G] bool | the gate |
-| select_groups(group_scores, group_versions, quantile, tau_abs, tau_floor, batch_groups, fill) | LongTensor | D-ARL gating |
+| select_groups(group_scores, group_versions, quantile, tau_abs, tau_floor, ...) | LongTensor | D-ARL gating |
 | selection_metrics(group_versions, selected, tau) | dict | filtered share per version |
 | pmis_coefficients(versions, weights, mask, mode, level) | beta dict, metrics | ess / tokens / balance |
 | pmis_statistics(versions, weights, mask, level, all_versions) | ks, [K,4] | summable across DP ranks |

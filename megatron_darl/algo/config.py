@@ -41,7 +41,8 @@ class AlgoConfig:
     rollout_is_threshold_lower: float | None = None  # mask mode lower bound; None: 1/threshold
     rollout_is_veto_threshold: float = 1e-4  # drop a sequence with any token ratio below this
     behav_weight_cap: float | None = 5.0  # decoupled (AReaL): tokens with w above it are dropped
-    behav_clip: float | None = None  # decoupled/darl behavior-side trust region: tokens with exp(p - b) outside [1/C, C] are dropped
+    # decoupled/darl behavior-side trust region: tokens with exp(p - b) outside [1/C, C] are dropped
+    behav_clip: float | None = None
     clip_low: float = 0.2  # PPO clip 1 - clip_low
     clip_high: float = 0.2  # PPO clip 1 + clip_high
     ratio_level: str = "token"  # token | sequence (GSPO-style)

@@ -43,7 +43,8 @@ def kl_estimates(prox_logp, behav_logp, mask, prefix: str = "algo") -> dict[str,
     }
 
 
-def staleness_histogram(versions: torch.Tensor, current_version: int, prefix: str = "algo/staleness/batch") -> dict[str, float]:
+def staleness_histogram(versions: torch.Tensor, current_version: int,
+                        prefix: str = "algo/staleness/batch") -> dict[str, float]:
     """Share of sequences at each staleness `current_version - v` (`{prefix}/{s}`), plus
     `{prefix}/mean` and `{prefix}/max`."""
     stale = (current_version - versions.detach().to(torch.int64)).cpu()
@@ -67,10 +68,22 @@ def diagnostics(
     `algo/ess_frac/v{k}`); rho mean/max/p99 (`algo/is/mean|max|p99`); KL k1/k2/k3 global and
     per version (`algo/kl_k3/v{k}`, ...); token share per version; the batch staleness
     histogram when `current_version` is given (the pool's: call `staleness_histogram` with the
-    pool's versions). `rho`: `weights` when given -- pass the weights the loss actually used,
-    and the fractions truncated/masked/vetoed of the function that made them, so that no
-    statistic describes weights nobody used -- else `rollout_is_weights` with the given options
-    (`algo/is/frac_*` included).
+    pool's versions).
+
+    Args:
+        prox_logp: proximal-policy log-probs of the sampled tokens, `[B, T]`.
+        behav_logp: behavior-policy log-probs of the same tokens, `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        versions: `[B]`, the policy version that generated each sequence.
+        weights: the `rho` the loss actually used, `[B, T]`, so no statistic describes unused weights (merge
+            their maker's `frac_*` metrics in yourself); None: `rollout_is_weights` with the options below.
+        level: `rollout_is_weights`'s level (`token`, `sequence`, `geometric`); unused with `weights`.
+        mode: `rollout_is_weights`'s mode (`truncate`, `mask`/`clip`); unused with `weights`.
+        threshold: `rollout_is_weights`'s upper bound on a weight, > 0; unused with `weights`.
+        threshold_lower: `mask` mode's lower bound, None for `1/threshold`; unused with `weights`.
+        veto_threshold: `rollout_is_weights`'s veto (None disables it); unused with `weights`.
+        current_version: the learner's version, for the staleness histogram `current_version - v`;
+            None leaves the histogram out.
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp, weights=weights)
     check_sequence_tensor("versions", versions, m.shape[0])

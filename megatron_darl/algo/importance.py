@@ -60,9 +60,18 @@ def weights_from_log(
     """Turn log weights into truncated/masked, vetoed weights (the second half of
     `rollout_is_weights`, shared with the balance-heuristic weights of `pmis.py`).
 
-    truncate: `min(w, threshold)`; mask/clip: `w * 1[lower <= w <= threshold]`, `lower`
-    defaulting to `1/threshold`. Veto: a row with any masked `exp(l_ij) < veto_threshold`
-    gets weight 0 everywhere. Decisions use the unclamped log weight; only the exp is clamped.
+    Decisions use the unclamped log weight; only the exp is clamped. Returns the detached
+    weights, 0 off the mask, and the `algo/is/...` metrics.
+
+    Args:
+        log_w: log weight of each token `[B, T]` (from `level_log_weights` or the balance heuristic).
+        token_log_ratio: per-token `l_ij` `[B, T]`, 0 off the mask; read only by the veto.
+        mask: bool `[B, T]`, True on the tokens that count.
+        mode: `truncate` (`min(w, threshold)`) or `mask`, alias `clip` (`w * 1[lower <= w <= threshold]`).
+        threshold: the upper bound on a weight, > 0.
+        threshold_lower: `lower` of `mask` mode, in `[0, threshold]`; None means `1/threshold`.
+        veto_threshold: a row with any masked `exp(l_ij) < veto_threshold` gets weight 0 everywhere;
+            None disables the veto.
     """
     _check_options(mode, threshold, threshold_lower, veto_threshold)
     zero = torch.zeros((), dtype=log_w.dtype, device=log_w.device)
@@ -105,13 +114,22 @@ def rollout_is_weights(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Rollout importance weights `[B, T]` and metrics (`algo/is/...`).
 
-    With `l_ij = p_ij - b_ij` (proximal minus behavior log-prob), the raw weight is
-    token `exp(l_ij)`, sequence `exp(sum_j l_ij)` or geometric `exp(mean_j l_ij)`, the last
-    two broadcast over the row. Then `mode` (`truncate`: `min(w, threshold)`; `mask`, alias
-    `clip`: `w` if `threshold_lower <= w <= threshold` else 0, `threshold_lower` defaulting
-    to `1/threshold`) and the veto (a row with any masked token ratio `exp(l_ij) <
-    veto_threshold` is zeroed; `None` disables it). Weights are detached and 0 off the mask.
-    AReaL's one-sided cap `w > 5 -> 0` is `mode="mask", threshold=5, threshold_lower=0`.
+    With `l_ij = p_ij - b_ij` (proximal minus behavior log-prob), the raw weight is set by
+    `level`, then truncated or masked by `mode`, then vetoed. Weights are detached and 0 off
+    the mask. AReaL's one-sided cap `w > 5 -> 0` is `mode="mask", threshold=5, threshold_lower=0`.
+
+    Args:
+        prox_logp: proximal-policy log-probs of the sampled tokens, `[B, T]`.
+        behav_logp: behavior-policy (the engine's) log-probs of the same tokens, `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        level: `token` (`exp(l_ij)`), `sequence` (`exp(sum_j l_ij)`) or `geometric`
+            (`exp(mean_j l_ij)`); the last two broadcast over the row.
+        mode: `truncate` (`min(w, threshold)`) or `mask`, alias `clip` (`w` if
+            `threshold_lower <= w <= threshold`, else 0).
+        threshold: the upper bound on a weight, > 0.
+        threshold_lower: the lower bound of `mask` mode, in `[0, threshold]`; None means `1/threshold`.
+        veto_threshold: a row with any masked token ratio `exp(l_ij)` below this is zeroed;
+            None disables the veto.
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
     if level not in LEVELS:

@@ -72,14 +72,25 @@ def weighted_surrogate(
     """Per-token objective `rho_ij * min(r_ij A_i, clip(r_ij) A_i)`, 0 off the mask.
 
     `r = exp(q - p)` (`logp` minus detached `prox_logp`), `rho` = `weights` (detached).
-    Behavior-side trust region, `behav_clip`:
-      - None: off.
-      - "ratio": also clip the total ratio `R = exp(q - b)`: the objective becomes
-        `min(rho min(rA, clip(r)A), clip(R, 1-clip_low, 1+clip_high) A)` on tokens with
-        `rho > 0` (what naive async does implicitly; tokens already dropped stay dropped).
-      - "mask": tokens whose `exp(p - b)` leaves `[1/C_m, C_m]`, `C_m = behav_mask_threshold`,
-        contribute 0 (the loss denominator is unchanged).
+    With `behav_clip="ratio"` the objective becomes `min(rho min(rA, clip(r)A), clip(R,
+    1-clip_low, 1+clip_high) A)`, `R = exp(q - b)`, on tokens with `rho > 0` (what naive async
+    does implicitly; tokens already dropped stay dropped).
     Returns `(objective [B,T], flags)`, flags the bool masks `clipped` and `behav_clipped`.
+
+    Args:
+        logp: current-policy log-probs `q` of the sampled tokens, `[B, T]`, with gradient.
+        prox_logp: proximal-policy log-probs `p`, `[B, T]` (detached here).
+        behav_logp: behavior-policy log-probs `b`, `[B, T]`; read only by `behav_clip`.
+        advantages: `[B]` (one per response) or `[B, T]`.
+        mask: bool `[B, T]`, true on the tokens that count.
+        weights: per-token `rho`, `[B, T]` (detached here).
+        clip_low: `r` is clipped below at `1 - clip_low`, in `[0, 1)`.
+        clip_high: `r` is clipped above at `1 + clip_high`, >= 0.
+        ratio_level: `token` (per-token `r`) or `sequence` (GSPO: the row's mean log-ratio; see
+            `policy_log_ratio`).
+        behav_clip: behavior-side trust region: None (off), `ratio` (also clip the total ratio `R`, above)
+            or `mask` (tokens whose `exp(p - b)` leaves `[1/C, C]` contribute 0; the denominator is unchanged).
+        behav_mask_threshold: `C` of `behav_clip="mask"`, > 1; unused otherwise.
     """
     if behav_clip not in BEHAV_CLIPS:
         raise ValueError(f"behav_clip must be one of {BEHAV_CLIPS}, got {behav_clip!r}")
@@ -125,9 +136,20 @@ def ppo_loss(
 ):
     """Clipped PPO: `-(1/N) sum_ij m_ij w_ij min(r_ij A_i, clip(r_ij) A_i)`, `r = exp(q - o)`.
 
-    `w` = `token_weights` (detached; 1 when None). Naive async: `old_logp` = behavior.
-    verl-style decoupled: `old_logp` = proximal, `token_weights` = `rollout_is_weights(...)`.
-    `N` = masked tokens, or `loss_denominator` (the whole batch's count) for micro-batches.
+    Naive async: `old_logp` = behavior. verl-style decoupled: `old_logp` = proximal,
+    `token_weights` = `rollout_is_weights(...)`.
+
+    Args:
+        logp: current-policy log-probs `q` of the sampled tokens, `[B, T]`, with gradient.
+        old_logp: the log-probs `o` the ratio is taken against, `[B, T]`.
+        advantages: `[B]` (one per response) or `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        clip_low: `r` is clipped below at `1 - clip_low`, in `[0, 1)`.
+        clip_high: `r` is clipped above at `1 + clip_high`, >= 0.
+        token_weights: per-token `w`, `[B, T]` (detached); None means 1 everywhere.
+        ratio_level: `token` or `sequence` (GSPO; see `policy_log_ratio`).
+        loss_denominator: `N`, the whole batch's masked-token count, so micro-batch losses add up;
+            None uses this call's masked-token count.
     """
     m = check_token_tensors(mask, logp=logp, old_logp=old_logp, token_weights=token_weights)
     w = torch.ones_like(logp) if token_weights is None else token_weights.to(logp.dtype)
@@ -170,9 +192,23 @@ def decoupled_ppo_loss(
     """AReaL decoupled PPO: `(1/N) sum_ij m_ij max(-A r, -A clip(r)) * w`.
 
     `r = exp(q - p)`, `w = exp(p - b)` (detached, `decoupled_weights`). With
-    `behav_weight_cap`, tokens with `w > cap` contribute 0 to the numerator while `N` stays the
-    count of the original mask (so rejecting tokens does not up-weight the kept ones).
-    `behav_clip` as in `weighted_surrogate`. With `prox_logp == behav_logp` this is plain PPO.
+    `prox_logp == behav_logp` this is plain PPO.
+
+    Args:
+        logp: current-policy log-probs `q` of the sampled tokens, `[B, T]`, with gradient.
+        prox_logp: proximal-policy log-probs `p`, `[B, T]`.
+        behav_logp: behavior-policy log-probs `b`, `[B, T]`.
+        advantages: `[B]` (one per response) or `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        clip_low: `r` is clipped below at `1 - clip_low`, in `[0, 1)`.
+        clip_high: `r` is clipped above at `1 + clip_high`, >= 0.
+        behav_weight_cap: tokens with `w > cap` contribute 0 to the numerator while `N` keeps counting
+            them (rejecting tokens does not up-weight the kept ones); None: no cap.
+        ratio_level: `token` or `sequence` (GSPO; see `policy_log_ratio`).
+        behav_clip: None, `ratio` or `mask`, as in `weighted_surrogate`.
+        behav_mask_threshold: `C` of `behav_clip="mask"` (`w` outside `[1/C, C]` is dropped), > 1.
+        loss_denominator: `N`, the whole batch's masked-token count, so micro-batch losses add up;
+            None uses this call's masked-token count.
     """
     m = check_token_tensors(mask, logp=logp, prox_logp=prox_logp, behav_logp=behav_logp)
     den = resolve_denominator(m, loss_denominator, logp.dtype)

@@ -7,11 +7,9 @@ approximation; the once-per-batch constants that let micro-batches add up exactl
 What it is not: the surrogates themselves (`losses.py`) or rollout weights (`importance.py`).
 
 Versions: the objective splits SEQUENCES by version (`versions` `[B]`, each sequence's oldest
-token version, as the replay store ages it): a sequence is one sample with one advantage, so it
-belongs to one estimator `L_k`. Where the maths is per token -- the balance heuristic's mixture
-`sum_k alpha_k mu_k(y_ij)` and its interpolated `log mu_k` -- each token's own version counts
-(`TrainBatch.token_versions`): the later tokens of an interrupted rollout were sampled by a
-newer version, and their `b` is that version's log-prob.
+token version, as the replay store ages it), one estimator `L_k` per version. Where the maths is
+per token -- the balance heuristic's mixture `sum_k alpha_k mu_k(y_ij)` and its interpolated
+`log mu_k` -- each token's own version counts (`TrainBatch.token_versions`).
 
 Micro-batches: `L_k` divides by `N_k`, the masked tokens of version k in the whole batch.
 Compute `beta, counts, metrics = pmis_batch_constants(...)` once on the batch, then
@@ -31,13 +29,15 @@ from collections.abc import Mapping
 import torch
 
 from .importance import LEVELS, rollout_is_weights, weights_from_log
-from .losses import surrogate_metrics, sg_objective, weighted_surrogate
+from .losses import sg_objective, surrogate_metrics, weighted_surrogate
 from .reductions import (
     check_sequence_tensor,
     check_token_tensors,
     lookup_version,
     masked_row_sum,
     masked_sum,
+)
+from .reductions import (
     version_token_counts as count_version_tokens,
 )
 
@@ -183,13 +183,22 @@ def balance_weights(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Veach balance-heuristic weights `rho_ij = pi_prox(y_ij) / sum_k alpha_k mu_k(y_ij)`.
 
-    `alpha_k = N_k / N` over the versions of `version_token_counts` (the whole batch's counts;
-    this call's when None, by `versions`: `[B]` counts every token of row i for `versions[i]`,
-    `[B, T]` (token versions) each token for its own). `behav_logp_by_version[k]` is `log mu_k`
-    of every token, `[B, T]`:
-    exact when the K behavior snapshots are kept and score the batch, else from
-    `interpolate_version_logp` (an approximation). Then `mode`/`threshold`/veto as in
-    `rollout_is_weights` (the veto looks at each token's own `exp(p - b)`).
+    `alpha_k = N_k / N` over the versions of `version_token_counts`. Then `mode`/`threshold`/veto
+    as in `rollout_is_weights` (the veto looks at each token's own `exp(p - b)`).
+
+    Args:
+        prox_logp: proximal-policy log-probs `p` of the sampled tokens, `[B, T]`.
+        behav_logp: each token's own behavior log-prob `b`, `[B, T]`; read only by the veto.
+        behav_logp_by_version: `{k: log mu_k}` of every token, `[B, T]` each: exact when the K behavior
+            snapshots are kept and score the batch, else from `interpolate_version_logp` (an approximation).
+        versions: `[B]` (every token of row i counts for `versions[i]`) or `[B, T]` (each token its own).
+        mask: `[B, T]`, true on the tokens that count.
+        version_token_counts: `{k: N_k}`, the whole batch's masked tokens per version; None counts this
+            call's tokens by `versions`.
+        mode: `truncate` or `mask`/`clip`, as in `rollout_is_weights`.
+        threshold: the upper bound on a weight, > 0.
+        threshold_lower: `mask` mode's lower bound, in `[0, threshold]`; None means `1/threshold`.
+        veto_threshold: a row with any masked `exp(p - b)` below this is zeroed; None disables the veto.
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
     if versions.dim() == 2:
@@ -226,8 +235,23 @@ def pmis_behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level: st
     """`(rho, metrics)`: the behavior weights of D-ARL's clipped surrogate, `[B, T]` detached.
 
     Rollout IS weights (`rollout_is_weights` with the `is_*` options), or for `pmis="balance"`
-    the balance-heuristic weights with `alpha_k` from `mixture_counts` (default
-    `version_token_counts`; see `balance_weights`).
+    the balance-heuristic weights (`balance_weights`).
+
+    Args:
+        prox_logp: proximal-policy log-probs of the sampled tokens, `[B, T]`.
+        behav_logp: behavior-policy log-probs of the same tokens, `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        versions: `[B]` behavior version of each sequence; read only by `balance` (`[B, T]` allowed there).
+        is_level: `rollout_is_weights`'s `level` (`token`, `sequence`, `geometric`); `balance` needs `token`.
+        is_mode: `truncate` or `mask`/`clip` (`rollout_is_weights`'s `mode`).
+        is_threshold: the upper bound on a weight, > 0.
+        is_threshold_lower: `mask` mode's lower bound; None means `1/is_threshold`.
+        is_veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
+        pmis: the P-MIS mode, `ess`, `tokens` (both: rollout IS weights) or `balance` (balance heuristic).
+        behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `balance`; unused otherwise.
+        version_token_counts: `{k: N_k}` of the whole batch; the mixture's `alpha_k` when `mixture_counts`
+            is None (None as well: this call's counts).
+        mixture_counts: `{k: N_k}` for `balance`'s `alpha_k` (e.g. by token version); None: `version_token_counts`.
     """
     opts = dict(mode=is_mode, threshold=is_threshold, threshold_lower=is_threshold_lower,
                 veto_threshold=is_veto_threshold)
@@ -264,6 +288,21 @@ def pmis_batch_constants(
     Same weights as `darl_policy_loss(surrogate="clip")` with the same options; pass the first
     two (and the same `mixture_counts`) to each micro-batch call. Metrics: `algo/is/*`,
     `algo/beta/v{k}`, `algo/ess_frac*`.
+
+    Args:
+        prox_logp: proximal-policy log-probs of the whole batch's sampled tokens, `[B, T]`.
+        behav_logp: behavior-policy log-probs of the same tokens, `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        versions: `[B]`, the behavior version of each sequence; the returned counts are by it.
+        is_level: `token`, `sequence` or `geometric` (`rollout_is_weights`); ESS counts sequences unless `token`.
+        is_mode: `truncate` or `mask`/`clip` (`rollout_is_weights`'s `mode`).
+        is_threshold: the upper bound on a weight, > 0.
+        is_threshold_lower: `mask` mode's lower bound; None means `1/is_threshold`.
+        is_veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
+        pmis: how `beta_k` is set: `ess` (by each version's ESS), `tokens` (`N_k / N`) or `balance`
+            (`N_k / N`, with balance-heuristic weights).
+        behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `balance`; unused otherwise.
+        mixture_counts: `{k: N_k}` for `balance`'s `alpha_k`; None uses the batch's counts by `versions`.
     """
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
     check_sequence_tensor("versions", versions, m.shape[0])
@@ -324,16 +363,39 @@ def darl_policy_loss(
     """D-ARL loss `-sum_k beta_k L_k`, `L_k = (1/N_k) sum_{i in S_k} sum_j m_ij rho_ij
     min(r_ij A_i, clip(r_ij, 1-clip_low, 1+clip_high) A_i)`.
 
-    `versions` `[B]`: behavior version of each sequence. `rho` = `rollout_is_weights(prox,
-    behav, is_level, is_mode, is_threshold, ...)`, or the balance-heuristic weights for
-    `pmis="balance"` (needs `behav_logp_by_version`; `alpha_k` from `mixture_counts`, e.g.
-    `version_token_counts(token_versions, mask)` of the whole batch so that each token counts
-    for the version that generated it, default `version_token_counts`). `ratio_level="sequence"`: GSPO-style
-    ratios. `behav_clip` (None / "ratio" / "mask"): the behavior-side trust region of
-    `weighted_surrogate`. `surrogate="sg"`: `sg(min(exp(q-b), C)) q A` instead (no proximal
-    policy; `prox_logp` may be None). Micro-batches: pass `beta` and `version_token_counts`
-    from `pmis_batch_constants`; then the weight/beta metrics come from that call and are
-    not repeated here, and the token-mean metrics here use `N = sum_k N_k` so they add up.
+    `rho` = `rollout_is_weights(prox, behav, is_level, is_mode, is_threshold, ...)`, or the
+    balance-heuristic weights for `pmis="balance"`. Micro-batches: pass `beta` and
+    `version_token_counts` from `pmis_batch_constants`; then the weight/beta metrics come from
+    that call and are not repeated here, and the token-mean metrics here use `N = sum_k N_k`
+    so they add up.
+
+    Args:
+        logp: current-policy log-probs `q` of the sampled tokens, `[B, T]`, with gradient.
+        prox_logp: proximal-policy log-probs `p`, `[B, T]`; may be None with `surrogate="sg"`.
+        behav_logp: behavior-policy log-probs `b`, `[B, T]`.
+        advantages: `[B]` (one per response) or `[B, T]`.
+        mask: `[B, T]`, true on the tokens that count.
+        versions: `[B]`, the behavior version of each sequence (the split into `S_k`).
+        clip_low: `r` is clipped below at `1 - clip_low`, in `[0, 1)`.
+        clip_high: `r` is clipped above at `1 + clip_high`, >= 0.
+        is_level: `token`, `sequence` or `geometric` (`rollout_is_weights`); `balance` and `sg` need `token`.
+        is_mode: `truncate` or `mask`/`clip` (`rollout_is_weights`'s `mode`); `sg` needs `truncate`.
+        is_threshold: the upper bound on a weight, > 0 (`C` of `surrogate="sg"`).
+        is_threshold_lower: `mask` mode's lower bound; None means `1/is_threshold`.
+        is_veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
+        pmis: how `beta_k` is set: `ess` (by each version's ESS), `tokens` (`N_k / N`) or `balance`
+            (`N_k / N`, with balance-heuristic `rho`; not with `sg`).
+        ratio_level: `token`, or `sequence` for GSPO-style ratios (`policy_log_ratio`).
+        surrogate: `clip` (the clipped surrogate above) or `sg`: `sg(min(exp(q-b), C)) q A`, no proximal policy.
+        behav_clip: the behavior-side trust region of `weighted_surrogate`: None, `ratio` or `mask`;
+            `sg` needs None.
+        behav_mask_threshold: `C` of `behav_clip="mask"` (tokens with `exp(p - b)` outside `[1/C, C]` drop), > 1.
+        beta: `{k: beta_k}` of the whole batch from `pmis_batch_constants`; None computes it from this call.
+        version_token_counts: `{k: N_k}` of the whole batch, from `pmis_batch_constants`; None counts this
+            call's masked tokens per version.
+        behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `pmis="balance"`; unused otherwise.
+        mixture_counts: `{k: N_k}` for `balance`'s `alpha_k`, e.g. `version_token_counts(token_versions,
+            mask)` of the whole batch, so each token counts for its own version; None: `version_token_counts`.
     """
     if surrogate not in SURROGATES:
         raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")

@@ -113,9 +113,17 @@ def select_groups(
        freshest) is admitted when its score <= `min(tau, tau_abs)`, a freshest group when <= `tau`.
     2. Admitted groups in ascending score (ties: newer version first, then lower index),
        at most `batch_groups`.
-    3. If short and `fill="fresh"`: the freshest remaining groups (newest version first, then
-       ascending score, then index). `fill="none"` returns fewer.
-    Returned in selection order.
+    3. If short, `fill` decides. Returned in selection order.
+
+    Args:
+        group_scores: `[G]` finite scores, each the mean `variance_scores` of a group's responses.
+        group_versions: `[G]` version of each group (its oldest response's).
+        quantile: `q` in `[0, 1]` of the freshest version's group scores that sets `tau`.
+        tau_abs: an absolute cap on the score of a stale group; None: stale groups use `tau` too.
+        tau_floor: the lowest `tau` may be, >= 0 (keeps `tau` above round-off where scores are ~0).
+        batch_groups: how many groups to choose, >= 0 (required).
+        fill: `fresh` tops a short batch up with the freshest remaining groups (newest version first, then
+            ascending score, then index); `none` returns fewer.
     """
     _check_select_inputs(group_scores, group_versions, batch_groups, fill)
     g = group_scores.shape[0]

@@ -7,10 +7,8 @@ Records are dicts of named 1-D numpy arrays (`put`), read back as read-only zero
 What it is not: a cross-node transport, a queue with several consumers, or a store (the
 learner copies what it keeps into `ReplayStore`).
 
-Why a plain /dev/shm file + mmap rather than `multiprocessing.shared_memory`: (1) the file
-descriptor takes `fcntl.flock`, a lock the kernel drops when its holder dies, even by SIGKILL;
-(2) Python 3.11's resource tracker unlinks a SharedMemory segment when any process that merely
-attached to it exits (bpo-39959), which would tear the ring down under the learner.
+A plain /dev/shm file + mmap, not `multiprocessing.shared_memory`: its `fcntl.flock` dies with
+its holder (even by SIGKILL), and no resource tracker unlinks the ring under the learner (bpo-39959).
 
 Protocol (positions are monotonically increasing byte offsets; slot = offset % capacity):
 - Reserve (under flock, a few microseconds): check free space against the consumer's `tail`,
@@ -351,6 +349,15 @@ class ShmRing:
         return pos, seq
 
     def _write_header(self, pos: int, *, seq: int, total: int, kind: int, desc_len: int) -> None:
+        """Write a record header at slot `pos`, commit word 0 first, stamped with this producer's pid.
+
+        Args:
+            pos: the record's byte offset within the ring's data area (`head % capacity`).
+            seq: the record's sequence number (the commit word becomes `seq + 1`); 0 for a pad.
+            total: the record's length in bytes, header included, a multiple of `ALIGN`.
+            kind: `_KIND_DATA` (a record) or `_KIND_PAD` (filler to the end of the ring, skipped by `get`).
+            desc_len: the JSON descriptor's length in bytes at the payload's start; 0 for a pad.
+        """
         h = self._rec_header(pos)
         h[_R_COMMIT] = 0  # first: whatever an earlier lap left here must not read as committed
         h[_R_SEQ], h[_R_TOTAL], h[_R_PID], h[_R_START] = seq, total, self._pid, self._start

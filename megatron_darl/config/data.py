@@ -128,7 +128,8 @@ class DataConfig:
         if not 0.0 < self.test_frac < 1.0:
             errs.append(("test_frac", "must be in (0, 1) with partition=hash"))
         if not 0.0 <= self.val_frac < 1.0 or self.test_frac + self.val_frac > 0.9:
-            errs.append(("val_frac", "must be >= 0 with data.test_frac + data.val_frac <= 0.9 (training keeps the rest)"))
+            errs.append(("val_frac", "must be >= 0 with data.test_frac + data.val_frac <= 0.9 "
+                                     "(training keeps the rest)"))
         if self.val_size < 0:
             errs.append(("val_size", "must be >= 0 (0: no validation split)"))
         return errs

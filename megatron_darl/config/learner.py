@@ -172,7 +172,7 @@ class LearnerConfig:
 # `model.hf_dir: builtin:tiny-qwen3`: the CPU demo's model, which the warm start makes
 # (launch/warmstart.py) before any process needs it; its shapes are known before it exists.
 BUILTIN_MODEL = "builtin:tiny-qwen3"
-# 3 layers, d=128: small enough that the demo's warm start and RL run in minutes on 2 cores
+# 3 layers, d=128: small enough that the demo's warm start and RL run in minutes on a small CPU machine
 # (docs/measurements.md, "The CPU demo on fresh clones")
 TINY_QWEN3: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",

@@ -139,11 +139,9 @@ class PromptLoader:
     pure function of (seed, epoch), so a loader restored from `state_dict()` yields exactly the
     prompts not yet drawn, in the same order.
 
-    With `validate` (sources that hold their rows: files, HumanEval) every record is encoded
-    once at construction, so every row the run will skip is counted and named before the first
-    draw. Generated sources (reasoning-gym makes entries on demand) are checked as they are
-    drawn; a rejection then is counted and logged with its location at once. Either way
-    `metrics()` counts every dropped row by reason."""
+    Records are checked up front (`validate`) or as they are drawn; a rejection while drawing is
+    counted and logged with its location at once. Either way `metrics()` counts every dropped
+    row by reason."""
 
     def __init__(
         self,
@@ -156,6 +154,18 @@ class PromptLoader:
         validate: bool = False,
         progress: bool = False,
     ) -> None:
+        """A loader at epoch 0, position 0.
+
+        Args:
+            source: the prompt records; it must hold at least one row.
+            encode: a record to its prompt token ids; raises `PromptError` to reject the record.
+            seed: the permutation seed; epoch e draws in the order `default_rng([seed, e])` gives.
+            shuffle: draw each epoch in a seeded random order; False draws in source order.
+            logger: where rejections are logged; None uses this module's logger.
+            validate: encode every record once here, so every row the run will skip is counted and named
+                before the first draw (sources that hold their rows: files, HumanEval); False checks on draw.
+            progress: with `validate`, show a tqdm bar for sources of `PROGRESS_ROWS` rows or more.
+        """
         if len(source) == 0:
             raise ValueError(f"data source {source.name} has no usable rows\n{source.report.summary()}")
         self.source, self.encode, self.seed, self.shuffle = source, encode, seed, shuffle

@@ -69,13 +69,8 @@ def check_template(template: str, record: PromptRecord) -> None:
 
 
 class PromptFormatter:
-    """Turns records into prompt token ids with one tokenizer.
-
-    With `chat_template`, the user message (and the system prompt, if any) go through
-    `tokenizer.apply_chat_template(..., add_generation_prompt=True)`; the rendered text is then
-    encoded without adding special tokens, because the template already wrote them. Without it,
-    the filled `prompt_template` is encoded as is (with the tokenizer's own BOS, if it has one).
-    """
+    """Turns records into prompt token ids with one tokenizer (the chat template, or the raw
+    `prompt_template`: see `chat_template` under `__init__`)."""
 
     def __init__(
         self,
@@ -88,6 +83,20 @@ class PromptFormatter:
         chat_kwargs: dict[str, Any] | None = None,
         context: ContextLimit | None = None,
     ) -> None:
+        """A formatter; fails at once if the options do not fit the tokenizer.
+
+        Args:
+            tokenizer: a Hugging Face tokenizer (`encode`, `get_vocab`, and `apply_chat_template` for chat).
+            prompt_template: the user message, a `str.format` template of `{question}` and the record's
+                scalar metadata fields.
+            system_prompt: a system message put before the user message; needs `chat_template`; None: none.
+            chat_template: render through `tokenizer.apply_chat_template(..., add_generation_prompt=True)` and
+                encode without special tokens (the template wrote them); False encodes the raw text, with BOS.
+            max_prompt_tokens: the most prompt tokens; a longer prompt is rejected (`PromptTooLong`).
+            chat_kwargs: extra keyword arguments of `apply_chat_template`, e.g. `{"enable_thinking": False}`.
+            context: the model's context less each answer's tokens, also a limit (`PromptExceedsContext`);
+                None: only `max_prompt_tokens` applies.
+        """
         self.fields = template_fields(prompt_template)
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(

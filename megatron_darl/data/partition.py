@@ -5,8 +5,7 @@ split, decided by the question text alone: `bucket(question)` = the first 8 hex 
 SHA-256 modulo 1000; buckets [0, 1000 * test_frac) are the test split, the next
 1000 * val_frac the validation split, the rest training. Membership does not depend on seeds,
 streams or indices, so a question drawn by any stream lands in one split only: the splits are
-disjoint by construction, including for small task spaces (2-term, 2-digit chain_sum has
-90 x 90 x 2 = 16,200 questions, all of which a 100k-prompt training epoch would otherwise visit).
+disjoint by construction, including for small task spaces that a training epoch covers whole.
 - `PartitionedTrain`: the training stream, lazily: record i is the first of the underlying
   entries i * STRIDE .. i * STRIDE + STRIDE - 1 whose question is a training one (about 1.25
   tries at test_frac = val_frac = 0.1).
@@ -57,6 +56,16 @@ class PartitionedTrain:
 
     def __init__(self, dataset: str, *, size: int, seed: int, dataset_kwargs: dict[str, Any] | None,
                  test_frac: float, val_frac: float):
+        """The training stream over `size * STRIDE` underlying entries; records are found as drawn.
+
+        Args:
+            dataset: the reasoning-gym dataset name.
+            size: the number of training records (`data.size`).
+            seed: the underlying stream's seed (`data.seed`).
+            dataset_kwargs: the reasoning-gym dataset's options (`data.dataset_kwargs`); None: its defaults.
+            test_frac: the share of hash buckets that are the test split, in [0, 1].
+            val_frac: the share of hash buckets, after the test ones, that are the validation split.
+        """
         self.inner = ProceduralSource(dataset, size=size * STRIDE, seed=seed, dataset_kwargs=dataset_kwargs)
         self.size, self.fracs = size, (test_frac, val_frac)
         self.name = f"reasoning_gym:{dataset}[seed={seed},size={size},partition=train]"
@@ -84,6 +93,17 @@ class HeldOutSplit:
 
     def __init__(self, dataset: str, *, split: str, size: int, seed: int, dataset_kwargs: dict[str, Any] | None,
                  test_frac: float, val_frac: float):
+        """Scan the split's own stream now for its `size` distinct questions; ValueError if too few.
+
+        Args:
+            dataset: the reasoning-gym dataset name.
+            split: `eval` (the test split, seed + EVAL_SEED_OFFSET) or `validation` (seed + 2 * EVAL_SEED_OFFSET).
+            size: how many distinct questions of the split to hold (`data.eval_size` or `data.val_size`).
+            seed: the run's data seed (`data.seed`); the split's stream offsets it as above.
+            dataset_kwargs: the reasoning-gym dataset's options (`data.dataset_kwargs`); None: its defaults.
+            test_frac: the share of hash buckets that are the test split, in [0, 1].
+            val_frac: the share of hash buckets, after the test ones, that are the validation split.
+        """
         want = "test" if split == "eval" else "validation"
         self.inner = ProceduralSource(dataset, size=size * SCAN, seed=seed + SPLIT_SEED[split],
                                       dataset_kwargs=dataset_kwargs)
@@ -126,8 +146,19 @@ def _renamed(rec: PromptRecord, name: str, index: int) -> PromptRecord:
 
 def partitioned_source(dataset: str, split: str, *, size: int, eval_size: int, val_size: int, seed: int,
                        dataset_kwargs: dict[str, Any] | None, test_frac: float, val_frac: float):
-    """The source of `split` ("train", "eval" = test, "validation") under `data.partition: hash`;
-    None for a held-out split of size 0."""
+    """The source of `split` under `data.partition: hash`; None for a held-out split of size 0.
+
+    Args:
+        dataset: the reasoning-gym dataset name (`data.source`'s target).
+        split: `train`, `eval` (the test split) or `validation`.
+        size: the training records (`data.size`); read for `train` only.
+        eval_size: the test split's distinct questions (`data.eval_size`); 0 gives None for `eval`.
+        val_size: the validation split's distinct questions (`data.val_size`); 0 gives None for `validation`.
+        seed: the run's data seed (`data.seed`); the held-out splits offset it.
+        dataset_kwargs: the reasoning-gym dataset's options (`data.dataset_kwargs`); None: its defaults.
+        test_frac: the share of hash buckets that are the test split (`data.test_frac`), in [0, 1].
+        val_frac: the share of hash buckets, after the test ones, that are the validation split (`data.val_frac`).
+    """
     fracs = {"test_frac": test_frac, "val_frac": val_frac}
     if split == "train":
         return PartitionedTrain(dataset, size=size, seed=seed, dataset_kwargs=dataset_kwargs, **fracs)

@@ -24,7 +24,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-
 EMBEDDED_MODULE = "megatron_darl.engine"  # darl-engine
 SGLANG_MODULE = "sglang.launch_server"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -110,7 +110,8 @@ class ModelSpec:
         """HF tensor name -> shape, for every weight the model needs."""
         h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
         qd, kvd = self.num_heads * d, self.num_kv_heads * d
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
+                                              "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         for i in range(self.num_layers):
@@ -351,7 +352,8 @@ class Decoder:
         if self.free_slots <= 0:
             raise RuntimeError(f"Decoder.add({seq.rid!r}): all {self.max_batch} rows are busy")
         if not seq.tokens or len(seq.tokens) >= self.spec.max_positions:
-            raise ValueError(f"request {seq.rid!r}: {len(seq.tokens)} input tokens; need 1..{self.spec.max_positions - 1}")
+            raise ValueError(f"request {seq.rid!r}: {len(seq.tokens)} input tokens; "
+                             f"need 1..{self.spec.max_positions - 1}")
         if seq.sampling.seed is not None and seq.generator is None:
             seq.generator = torch.Generator(self.device).manual_seed(seq.sampling.seed)
         seq.needs_prefill = True
@@ -370,7 +372,8 @@ class Decoder:
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         for s, ok in zip(seqs, finite):
             if not ok:  # a broken model (or an overflow): fail the row, never sample from NaN
-                s.error = f"the model produced non-finite logits at position {len(s.tokens) - 1} (weight version {self.version})"
+                s.error = (f"the model produced non-finite logits at position {len(s.tokens) - 1} "
+                           f"(weight version {self.version})")
                 s.finish = {"type": "abort", "message": s.error}
         good = [i for i, ok in enumerate(finite) if ok]
         if good:

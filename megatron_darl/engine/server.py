@@ -10,6 +10,9 @@ Answers have SGLang 0.5.23's shape, per-token versions in `meta_info.weight_vers
 (`requests.py` validates requests and writes answers; docs/sglang_protocol.md lists
 the routes and fields). The same weight route serves the shared-memory variant: a learner on
 the node publishes its HF folder under /dev/shm and passes that path.
+What it is not: a tokenizer (input_ids only), a streaming server, or a receiver of
+`/update_weights_from_tensor` (answers 400).
+
 Robustness: every request field is validated (400 naming it); a failure while decoding fails
 the requests it concerns (500, logged), never the loop; decoding and weight loading run off the
 event loop, so /health and control routes answer while 256 sequences decode; weights with
@@ -20,14 +23,11 @@ Hostile and careless clients (`http_io.py`: bodies, limits, status codes): a req
 written off the event loop, so /health answers within milliseconds whatever one request holds;
 a client that hangs up is noticed by the decode loop before its next step (every 0.25 s while
 paused), its prompts are dropped, counted in /get_server_info `aborted_disconnected`, and logged
-in one line. The server does not rely on aiohttp's handler cancellation (off under
-`web.run_app`): no handler is ever cancelled half-way through a weight load or a pause.
-`weight_version` only moves forward.
+in one line. No handler is ever cancelled half-way through a weight load or a pause (the server
+does not rely on aiohttp's handler cancellation). `weight_version` only moves forward.
 The distributed update (`/init_weights_update_group`, `/begin_weight_update`,
 `/update_weights_from_distributed`, `/end_weight_update`, `/destroy_weights_update_group`: gloo
 on CPU, SGLang 0.5.23's session rules; part of a version holds decoding) is `weight_group.py`.
-What it is not: a tokenizer (input_ids only), a streaming server, or a receiver of
-`/update_weights_from_tensor` (answers 400).
 """
 
 from __future__ import annotations
@@ -48,8 +48,16 @@ import torch
 from aiohttp import web
 
 from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
-from megatron_darl.engine.http_io import (BodyReader, ClientGone, EngineFailure, Limits, ShuttingDown, client_gone,
-                                          encode_strict, error_middleware)
+from megatron_darl.engine.http_io import (
+    BodyReader,
+    ClientGone,
+    EngineFailure,
+    Limits,
+    ShuttingDown,
+    client_gone,
+    encode_strict,
+    error_middleware,
+)
 from megatron_darl.engine.requests import BadRequest, parse_generate, parse_weight_version, response_json
 from megatron_darl.engine.scheduler import Scheduler
 from megatron_darl.engine.weight_group import WeightGroupRoutes
@@ -313,7 +321,8 @@ class EngineServer(Scheduler):
         if self.api_key is not None:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return web.json_response({"error": "missing or wrong API key (send 'Authorization: Bearer KEY')"}, status=401)
+                return web.json_response({"error": "missing or wrong API key (send 'Authorization: Bearer KEY')"},
+                                         status=401)
         return await handler(request)
 
     async def _astart(self, app: web.Application) -> None:
@@ -340,7 +349,18 @@ class EngineServer(Scheduler):
 
 def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: str | None = None,
                    threads: int = 1, max_batch: int = 64, python: str = sys.executable) -> list[str]:
-    """The argv that starts one engine (what `darl-engine` runs), for launchers and restarts."""
+    """The argv that starts one engine (what `darl-engine` runs), for launchers and restarts.
+
+    Args:
+        model_dir: the HF model folder the engine loads (`--model`).
+        port: the TCP port to listen on (`--port`).
+        host: the address to bind (`--host`); the default serves this machine only.
+        api_key: the bearer token every request must carry (`--api-key`); None or empty: no flag, so the
+            engine falls back to `$DARL_ENGINE_API_KEY` (none if unset).
+        threads: torch threads of the engine process (`--threads`).
+        max_batch: the most sequences decoded together (`--max-batch`).
+        python: the interpreter that runs `-m megatron_darl.engine`; the default is this process's.
+    """
     cmd = [python, "-m", "megatron_darl.engine", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     return cmd + (["--api-key", api_key] if api_key else [])
@@ -370,7 +390,8 @@ def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`darl-engine --model HF_DIR --host 127.0.0.1 --port P [--api-key K] [--threads N] [--max-batch N]
     [--max-prompts-per-request N] [--max-request-tokens N] [--max-body-mb M] [--body-timeout-s S]`."""
-    ap = argparse.ArgumentParser(prog="darl-engine", description="Embedded rollout engine speaking SGLang's HTTP protocol.")
+    ap = argparse.ArgumentParser(prog="darl-engine",
+                                 description="Embedded rollout engine speaking SGLang's HTTP protocol.")
     ap.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     ap.add_argument("--port", type=int, required=True)
@@ -394,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_body_bytes=int(args.max_body_mb * 1024**2), body_timeout_s=args.body_timeout_s)
     gc.freeze()  # the model and the imports stay: a full collection (GIL held) walks only what requests make
     server = EngineServer(decoder, str(Path(args.model)), api_key=args.api_key, limits=limits)
-    print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device}, serving http://{args.host}:{args.port}", flush=True)
+    print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device}, serving http://{args.host}:{args.port}",
+          flush=True)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
                 backlog=LISTEN_BACKLOG, shutdown_timeout=5.0)
 

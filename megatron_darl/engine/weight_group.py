@@ -5,6 +5,8 @@ What it is: `WeightGroupRoutes`, added to the engine's app. `/init_weights_updat
 group as rank `rank_offset` (the engine is one TP rank; the learner is rank 0 and hosts the
 rendezvous), built as SGLang's `init_custom_process_group` builds it, never the default group
 (the engine has none); gloo on CPU, nccl when the engine runs on a GPU.
+What it is not: the folder route (`/update_weights_from_disk`, server.py) or the sender.
+
 The weight-update session, as the release's scheduler holds it: `/begin_weight_update`
 (selector) opens it and is refused while one is open, `/end_weight_update` closes it and is
 refused when none is, `/update_weights_from_distributed` is refused outside one, before
@@ -18,14 +20,11 @@ in several calls (buckets): they are kept until a call carries `weight_version`,
 (every tensor of the model, the expected shapes, finite) and swapped in between decode steps,
 the version set from `weight_version` (an int64 never below the current version, else 400 and
 the old weights stay). `/destroy_weights_update_group` leaves a group.
-A version that stops half-way is never served: SGLang loads each bucket as it arrives and would
-serve the mix; this engine keeps the old weights but, like an engine on mixed weights that must
-not generate, holds decoding from the first bucket of a version (`Scheduler.incomplete`, also
-in /get_server_info `weights_incomplete`; /health_generate answers 503) until a whole version is
-loaded, by the last bucket or by /update_weights_from_disk.
-Failures answer 400 with {"success": false, "message"}, as SGLang's routes do. Every receive
-fails after the group's timeout (RECEIVE_TIMEOUT_S).
-What it is not: the folder route (`/update_weights_from_disk`, server.py) or the sender.
+A version that stops half-way is never served: from its first bucket until a whole version is
+loaded (by the last bucket or by /update_weights_from_disk) the engine keeps its old weights and
+holds decoding (`Scheduler.incomplete`, /get_server_info `weights_incomplete`; /health_generate
+answers 503). Failures answer 400 with {"success": false, "message"}, as SGLang's routes do.
+Every receive fails after the group's timeout (RECEIVE_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -38,9 +37,9 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from megatron_darl.channel import weight_session as rq
 from megatron_darl.engine.decoder import IGNORED_SUFFIXES, WeightLoadError
 from megatron_darl.engine.requests import BadRequest, parse_weight_version
-from megatron_darl.channel import weight_session as rq
 
 log = logging.getLogger(__name__)
 RECEIVE_TIMEOUT_S = 300.0  # a join or a broadcast the learner never completes fails after this
@@ -69,7 +68,8 @@ def check_received(tensors: dict[str, torch.Tensor], spec) -> dict[str, torch.Te
         if name not in expected:
             raise WeightLoadError(f"unexpected tensor {name!r} for {spec.arch} ({spec.num_layers} layers)")
         if tuple(t.shape) != expected[name]:
-            raise WeightLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, the running model expects {expected[name]}")
+            raise WeightLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                  f"the running model expects {expected[name]}")
         t = t.to(torch.float32)
         if not bool(torch.isfinite(t).all()):
             raise WeightLoadError(f"tensor {name!r} has {int((~torch.isfinite(t)).sum())} non-finite value(s)")
@@ -149,7 +149,8 @@ class WeightGroupRoutes:
     async def aupdate(self, request: web.Request) -> web.Response:
         body = await self._abody(request)
         names = _list_of(body, "names", lambda v: isinstance(v, str))
-        dtypes = _list_of(body, "dtypes", lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype))
+        dtypes = _list_of(body, "dtypes",
+                          lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype))
         shapes = _list_of(body, "shapes", lambda v: isinstance(v, list) and all(type(d) is int and d >= 0 for d in v))
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")

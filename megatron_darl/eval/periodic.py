@@ -5,7 +5,9 @@ v is a multiple of `eval.every_steps`, `maybe_run(v, publisher)` loads that Hugg
 into an in-process `Decoder` (the embedded engine's decoding core, continuous batching),
 answers the same held-out problems as the launcher's before/after evaluation and `darl-eval`
 (same prompts, seeds and eval settings, through the same `aevaluate`), grades them in a reward
-pool kept for the run, and returns the figures to log at that step:
+pool kept for the run, and returns the figures to log at that step.
+What it is not: the launcher's before/after evaluation through the engines (`heldout.py`) or
+the scores' maths (`scoring.py`).
 
 - `eval/accuracy` (avg@k) with `eval/accuracy_lo` / `eval/accuracy_hi` (95% interval),
   `eval/pass_at_k`, `eval/version`;
@@ -24,15 +26,10 @@ passed), of version 0 before the first step (`evaluate_start`, mark 0) and of th
 (`final=True`: the sample budget or train.steps reached; mark: the budget, or the samples).
 Every evaluation is also a line of `<run_dir>/evals.jsonl` (the curve, version 0 included).
 
-Why in the learner and not through the engines: the engines keep generating undisturbed (no
-pause, no weight swap for an evaluation) and the policy evaluated is exactly the one just
-published; for the CPU demo's model an evaluation of 500 problems costs seconds. The engines
-do keep generating while the learner evaluates (up to the staleness bound), so a run with
-frequent evaluations waits a little less for data afterwards: `eval/wall_s` slightly flatters
-asynchronous runs, by at most the summed `perf/eval_s`. Models too large to hold a second fp32
+It runs in the learner, not through the engines: the policy evaluated is exactly the one just
+published, and the engines keep generating meanwhile, so `eval/wall_s` slightly flatters
+asynchronous runs (by at most the summed `perf/eval_s`). Models too large to hold a second fp32
 copy beside the learner should evaluate saved checkpoints with `darl-eval` instead.
-What it is not: the launcher's before/after evaluation through the engines (`heldout.py`) or
-the scores' maths (`scoring.py`).
 """
 
 from __future__ import annotations

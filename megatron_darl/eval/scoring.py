@@ -64,8 +64,20 @@ async def aevaluate(engines: Sequence[RolloutEngine], prompts: Sequence[Any], to
                     seed: int = 0) -> ProblemScores:
     """Generate k samples per prompt (spread round-robin over `engines`) and grade them.
 
-    `scorer` has `async ascore(list[RewardInput]) -> list[RewardResult]` (the reward pool).
-    Sampling is seeded per (problem, sample) so that a re-run reproduces the same responses.
+    A sample scores 1 only at full marks (partial credit counts 0).
+
+    Args:
+        engines: the rollout engines to generate with (at least one).
+        prompts: the problems (`Prompt`s: `uid`, `input_ids`, `question`, `task`, `answer`, `metadata`).
+        tokenizer: decodes the responses, special tokens skipped.
+        scorer: has `async ascore(list[RewardInput]) -> list[RewardResult]` (the reward pool).
+        k: samples per problem, the k of avg@k and pass@k.
+        temperature: the sampling temperature; 0 is greedy.
+        max_new_tokens: the most tokens each response may generate.
+        stop_token_ids: token ids that end a response, besides the model's EOS; None: no others.
+        max_concurrency: the most requests in flight at once, over all engines.
+        seed: the evaluation seed; each (problem, sample) gets its own seed from it, so a re-run
+            reproduces the same responses.
     """
     if not engines:
         raise ValueError("aevaluate: no engine to generate with")

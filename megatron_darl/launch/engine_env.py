@@ -6,13 +6,11 @@ What it is: `engine_python(cfg)` (SGLang servers run from SGLang's own environme
 interpreter and the key, an environment that cannot serve: sglang missing or another release
 than the client speaks, an NVIDIA driver older than the CUDA its torch is built for (sglang
 0.5.23 is a CUDA 13 stack: torch 2.14.1, flashinfer cu13, cuda-python >= 13, so driver >= 580),
-or a `torch.cuda.init()` that fails. Found here it is one line in the engine host's error; found
-by 8 servers it is 8 tracebacks after the startup timeout. `submit_checks(cfg)` runs the same
-probe where a Slurm job is submitted (`launch/slurm.py`), before the queue wait: an SGLang
-recipe whose engines the job starts needs `launch.engine_python` set to an interpreter that
-exists and has the pinned sglang, and where the submitting machine has an NVIDIA driver, it
-must meet the floor of that environment's CUDA (the rollout nodes are probed again at start;
-a machine without a driver says nothing about theirs).
+or a `torch.cuda.init()` that fails: one line in the engine host's error, before any server
+starts. `submit_checks(cfg)` runs the same probe where a Slurm job is submitted (`launch/slurm.py`),
+before the queue wait: an SGLang recipe whose engines the job starts needs `launch.engine_python`
+set to an interpreter that exists and has the pinned sglang, and where the submitting machine
+has an NVIDIA driver, it must meet the floor of that environment's CUDA (the rollout nodes are probed again at start).
 What it is not: the engine command (`engine/command.py`) or the engine host.
 """
 

@@ -262,7 +262,8 @@ def _serve(args: argparse.Namespace, attempt: str | None, node: int, nodes: int)
     python = engine_python(cfg)
     with Supervisor(info.log_dir, echo=None) as sup:
         host = EngineHost(info, engine_specs(cfg, indices, gpus, python), sup, node,
-                          args.address or node_address(), cfg.launch.engine_startup_s(cfg.rollout.backend), cfg.rollout.api_key)
+                          args.address or node_address(), cfg.launch.engine_startup_s(cfg.rollout.backend),
+                          cfg.rollout.api_key)
         try:
             host.check_weights_readable()
             if cfg.rollout.backend == "sglang" and not gpus:

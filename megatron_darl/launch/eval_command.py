@@ -19,7 +19,8 @@ from dataclasses import asdict
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="darl-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
-    p.add_argument("--data", required=True, help="data spec: reasoning_gym:<task> | jsonl:<path> | parquet:<path> | humaneval")
+    p.add_argument("--data", required=True,
+                   help="data spec: reasoning_gym:<task> | jsonl:<path> | parquet:<path> | humaneval")
     p.add_argument("--config", help="YAML recipe whose data/reward/rollout sections to use (prompt format, graders)")
     p.add_argument("--tokenizer", help="tokenizer folder or builtin:qwen3|builtin:demo (default: the model folder)")
     p.add_argument("--num-problems", type=int, default=500)
@@ -40,10 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         SourceSpec.parse(args.data)
         spec = "eval_source" if not args.data.startswith("reasoning_gym:") else "source"
         cfg = load_config(args.config, [f"model.hf_dir={args.model}", f"data.{spec}={args.data}",
-                                        f"eval.num_problems={args.num_problems}", f"data.eval_size={args.num_problems}", f"eval.samples_per_problem={args.k}",
+                                        f"eval.num_problems={args.num_problems}",
+                                        f"data.eval_size={args.num_problems}", f"eval.samples_per_problem={args.k}",
                                         f"eval.temperature={args.temperature}", "rollout.num_engines=1",
                                         *([f"model.tokenizer={args.tokenizer}"] if args.tokenizer else []),
-                                        *([f"eval.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []),
+                                        *([f"eval.max_new_tokens={args.max_new_tokens}"]
+                                          if args.max_new_tokens else []),
                                         *args.overrides])
     except (ConfigError, ValueError) as exc:
         print(f"darl-eval: {exc}", file=sys.stderr)

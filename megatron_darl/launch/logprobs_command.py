@@ -83,7 +83,8 @@ def _worker(args: argparse.Namespace) -> None:
     learner = MegatronLearner(
         ModelConfig(hf_dir=args.model, init="random" if is_ckpt else "hf", dtype=args.dtype),
         ParallelConfig(tp=args.tp, pp=args.pp), OptimConfig(),
-        LearnerConfig(micro_batch_tokens=args.micro_batch_tokens), AlgoConfig(policy_loss="ppo", replay=False, sg=False, pmis=False),
+        LearnerConfig(micro_batch_tokens=args.micro_batch_tokens),
+        AlgoConfig(policy_loss="ppo", replay=False, sg=False, pmis=False),
         temperature=args.temperature)
     if is_ckpt:
         learner.load(args.model)

@@ -152,7 +152,8 @@ def job_script(cfg: RunConfig, folder: Path, submit_command: str) -> str:
     # every srun names its CPUs: Slurm 22.05-23.02 do not pass the job's --cpus-per-task on to
     # srun, which would pin each task (8 SGLang servers, or manager + reward workers) to one core
     lines += ["# component 0: one task per learner rank; global rank 0 runs the session",
-              f"srun {group0}--cpus-per-task={lc.trainer.cpus_per_task} --unbuffered --kill-on-bad-exit=1 --open-mode=append --output={folder}/%j_%t_log.out "
+              f"srun {group0}--cpus-per-task={lc.trainer.cpus_per_task} --unbuffered --kill-on-bad-exit=1 "
+              f"--open-mode=append --output={folder}/%j_%t_log.out "
               f"--error={folder}/%j_%t_log.err {submit_command}", "rc=$?"]
     if het:
         lines += ['echo "$ATTEMPT" > "$RUN_DIR/engines/stop"  # engine hosts stop (the session also says so)',

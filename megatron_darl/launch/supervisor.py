@@ -85,9 +85,20 @@ class Supervisor:
     def start(self, role: str, argv: list[str], env: dict[str, str] | None = None,
               essential: bool = True, critical: bool = True, cwd: str | None = None,
               ignore: tuple[signal.Signals, ...] = (), inherit: bool = True) -> Child:
-        """Start `argv` as child `role`; `ignore`: signals it starts with ignored (SIG_IGN).
-        `env` is added to this process's environment, or with `inherit=False` is the child's
-        whole environment (an SGLang server's, with variables left out: `EngineSpec.environment`)."""
+        """Start `argv` as child `role` in its own process group, its output teed to `<log_dir>/<role>.log`.
+
+        Args:
+            role: the child's name: its log file, its console prefix `[role]`, and `ChildFailed`'s message.
+            argv: the command line to run.
+            env: variables added to this process's environment, or with `inherit=False` the child's whole
+                environment (`PYTHONUNBUFFERED=1` is always set); None: none added.
+            essential: its exit, even with code 0, ends the run (unless it is the child `wait` waits for).
+            critical: its failure (non-zero exit) ends the run; False: another process replaces it.
+            cwd: the child's working directory; None: this process's.
+            ignore: signals the child starts with ignored (SIG_IGN), until it installs its own handlers.
+            inherit: start from this process's environment; False: from `env` alone (an SGLang server's,
+                with variables left out: `EngineSpec.environment`).
+        """
         log_path = os.path.join(self.log_dir, f"{role}.log")
         full_env = {**(os.environ if inherit else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(

@@ -50,7 +50,8 @@ def all_gather_json(obj, group, device: torch.device) -> list:
     return [json.loads(b[: int(s.item())].cpu().numpy().tobytes().decode("utf-8")) for b, s in zip(bufs, sizes)]
 
 
-def broadcast_arrays(arrays: dict[str, np.ndarray] | None, src: int, group, device: torch.device) -> dict[str, np.ndarray]:
+def broadcast_arrays(arrays: dict[str, np.ndarray] | None, src: int, group,
+                     device: torch.device) -> dict[str, np.ndarray]:
     """Named numpy arrays from global rank `src` to every rank of `group` (header as JSON)."""
     mine = dist.get_rank() == src
     header = {k: [str(v.dtype), list(v.shape)] for k, v in arrays.items()} if mine else None

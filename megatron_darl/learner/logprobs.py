@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from megatron_darl.learner.packing import round_up, sequence_multiple
 
-
 # fp32 working set of the head: at most this many bytes of [positions x vocab/TP] fp32 values
 # exist at once (a few temporaries of one chunk); the full logits stay in the model's dtype
 HEAD_CHUNK_BYTES = 256 << 20
@@ -155,10 +154,22 @@ def config_multiple(config) -> int:
 def run_schedule(chunks: list, micro_batches: list[dict], *, forward_only: bool, temperature: float,
                  vocab_size: int, pg, head: Head, multiple: int | None = None) -> list[dict]:
     """Run all micro-batches through the pipeline schedule; returns the heads' metric dicts
-    (one per micro-batch) on the last pipeline stage, [] on the others. Backward accumulates
-    grads into the DDP buffers when `forward_only` is False. Token widths are padded to
-    `multiple` (default: what the model's FP8 / sequence-parallel settings need); heads see
-    the unpadded micro-batch."""
+    (one per micro-batch) on the last pipeline stage, [] on the others. Heads see the unpadded
+    micro-batch.
+
+    Args:
+        chunks: this rank's model chunks (DDP-wrapped; several with virtual pipeline stages).
+        micro_batches: dicts with at least `tokens` `[b, s]`; what else they hold is for `head`.
+        forward_only: True only evaluates (log-probs); False also runs backward, accumulating grads
+            into the DDP buffers.
+        temperature: divides the logits before the log-softmax, as the engine samples.
+        vocab_size: the model's true vocab size (the HF config's); padded vocab rows are left out.
+        pg: Megatron's `ProcessGroupCollection` (its `tp`, `pp` groups).
+        head: `(micro_batch, logp, entropy) -> (loss, metrics)`, the loss already normalised by the
+            whole batch's denominator (see `Head`).
+        multiple: pad token widths to a multiple of this; None: what the model's FP8 / sequence-parallel
+            settings need (`config_multiple`).
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 

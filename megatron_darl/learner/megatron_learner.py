@@ -70,12 +70,14 @@ class MegatronLearner:
         self.seq_multiple = config_multiple(chunks[0].config)
         # FP8 delayed: amax reduced over TP x DP at each forward, so DP ranks run as many micro-batches
         self.lockstep = dp_lockstep(chunks[0].config)
-        self.ddp, self.optimizer, self.scheduler = setup_training(chunks, optim_cfg, self.ctx.pg, on_gpu=self.ctx.on_gpu)
+        self.ddp, self.optimizer, self.scheduler = setup_training(chunks, optim_cfg, self.ctx.pg,
+                                                                  on_gpu=self.ctx.on_gpu)
         self.step = 0  # train steps done (each is ppo_n_minibatches optimizer steps)
         self.num_params, param_bytes = self._count_params()
         # balance: "exact" keeps the K previous versions' weights (CPU) and rescores with them;
         # "interpolate" approximates log mu_k from b and p; None for the other beta_k rules
-        self.balance_mode = choose_mode(algo_cfg.balance_snapshots, algo_cfg.k, param_bytes) if pmis == "balance" else None
+        self.balance_mode = (choose_mode(algo_cfg.balance_snapshots, algo_cfg.k, param_bytes)
+                             if pmis == "balance" else None)
         self.snapshots = PolicySnapshots([p for c in self.chunks for p in c.parameters()], algo_cfg.k) \
             if self.balance_mode == "exact" else None
 

@@ -141,7 +141,18 @@ def _head_bytes(hf: dict[str, Any], s: Setting, tokens: int, backward: bool) -> 
 def state_bytes(hf: dict[str, Any], *, tp: int, pp: int, stage: int, bf16: bool, dp: int = 1,
                 distributed_optimizer: bool = False) -> dict[str, float]:
     """Parameter count and the bytes of parameters, fp32 main gradients and optimizer states
-    (fp32 master copy with bf16, Adam's two moments) on one rank of pipeline stage `stage`."""
+    (fp32 master copy with bf16, Adam's two moments) on one rank of pipeline stage `stage`.
+
+    Args:
+        hf: the model's HF config.json dict.
+        tp: tensor-parallel size: each rank holds its 1/tp shard of the stage (replicated norms whole).
+        pp: pipeline-parallel size: the layers split evenly over `pp` stages.
+        stage: the pipeline stage, in [0, pp) (the first holds the embedding, the last the output layer).
+        bf16: bf16 parameters (2 B) with an fp32 master copy in the optimizer (12 B per parameter);
+            False: fp32 parameters (4 B) and Adam's two moments only (8 B).
+        dp: data-parallel size; divides the optimizer states only with `distributed_optimizer`.
+        distributed_optimizer: the optimizer states are sharded over `dp` ranks; False: each rank holds all.
+    """
     from checkpoint_tools.adapters import get_adapter
 
     n = get_adapter(hf).rank_numel(stage, pp, tp)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+
 import torch
 import torch.nn.functional as F
 
@@ -198,7 +199,12 @@ def layer_spec(spec: str, family: ArchFamily):
 def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on_gpu: bool) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), on the learner device."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage, is_vp_first_stage, is_vp_last_stage
+    from megatron.core.pipeline_parallel.utils import (
+        is_pp_first_stage,
+        is_pp_last_stage,
+        is_vp_first_stage,
+        is_vp_last_stage,
+    )
 
     config = transformer_config(hf, model_cfg, par, on_gpu=on_gpu)
     spec = resolve_spec(model_cfg, on_gpu, par)

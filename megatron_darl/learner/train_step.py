@@ -154,7 +154,7 @@ def balance_logp(consts: dict, given: dict, prox: torch.Tensor, behav: torch.Ten
             raise ValueError(f"pmis='balance': no log-probs for versions {missing} and no prox_version to "
                              "interpolate them")
         out.update(algo.interpolate_version_logp(prox, behav, versions, prox_version, missing))
-    own = (lambda k: versions == k) if versions.dim() == 2 else (lambda k: (versions == k).unsqueeze(-1))  # noqa: E731
+    own = (lambda k: versions == k) if versions.dim() == 2 else (lambda k: (versions == k).unsqueeze(-1))
     # with one version every token reads its own b: nothing interpolated is used
     return {k: torch.where(own(k), behav, lp) for k, lp in out.items()}, (len(missing) if len(needed) > 1 else 0)
 
@@ -232,10 +232,30 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig
                minibatch_seed=0, lockstep: bool = False) -> dict[str, float]:
     """`ppo_n_minibatches` optimizer steps over `batch`; metrics averaged over the steps, except
     the behavior-weight statistics, which describe the whole batch (computed once). The
-    per-version constants (beta_k, N_k, ESS) are computed once on the whole batch; the
-    minibatches are a random partition of its groups seeded by `minibatch_seed` (the learner
-    passes `(train.seed, step)`: the same partition on every rank). `lockstep`: every DP rank runs
-    as many micro-batches (`packing.dp_lockstep`: FP8 delayed reduces amax over TP x DP)."""
+    per-version constants (beta_k, N_k, ESS) are computed once on the whole batch.
+
+    Args:
+        ddp: this rank's DDP-wrapped model chunks.
+        optimizer: Megatron's optimizer; its `step()` returns `(ok, grad_norm, ...)`.
+        scheduler: the learning-rate schedule, stepped once per optimizer step.
+        batch: the selected batch, widths already padded (`pad_batch`); needs `prox_logprobs` when the loss
+            reads them.
+        a: the `algorithm` section (which loss, its options, `ppo_n_minibatches`).
+        lc: the `learner` section (`micro_batch_tokens`).
+        pg: Megatron's `ProcessGroupCollection` (its `dp`, `tp`, `pp` groups).
+        device: where the micro-batches go; MFU is reported on `cuda` only.
+        temperature: the sampling temperature the log-probs are taken at.
+        vocab_size: the model's true vocab size; padded vocab rows are left out.
+        beta: `{k: beta_k}` given by the caller; None: D-ARL computes it from the batch by `pmis`.
+        pmis: D-ARL's `beta_k` mode: `ess`, `tokens` or `balance` (see `algo.pmis_batch_constants`).
+        num_params: the model's parameter count, for `perf/mfu`; 0 leaves MFU out.
+        prox_version: the proximal policy's version (the learner's step), for `balance`'s interpolation
+            of versions without kept log-probs; None: none may be missing.
+        minibatch_seed: seeds the random partition of the batch's groups into minibatches (the learner
+            passes `(train.seed, step)`: the same partition on every rank).
+        lockstep: every DP rank runs as many micro-batches (`packing.dp_lockstep`: FP8 delayed scaling
+            reduces amax over TP x DP); False: each rank runs as many as its own rows need.
+    """
     if a.uses_proximal and batch.prox_logprobs is None:
         raise ValueError(f"policy_loss={a.policy_loss} old_logprob={a.old_logprob} needs batch.prox_logprobs")
     start = time.perf_counter()

@@ -7,9 +7,8 @@ file-size and process-count limits; where the kernel refuses the isolation the p
 run (SandboxRefused), and `sandbox_problem()` says so, naming the fix, before a run starts.
 This side enforces the wall-time limit by killing the launcher's whole session. Two paths:
   root   network, mount and PID namespaces, every mount read-only with a private /tmp, and a
-         dedicated uid per caller thread (`uid_base + native thread id`): RLIMIT_NPROC counts
-         every process of a real uid machine-wide, so sandboxes sharing one uid would share one
-         budget, and the final `kill(-1)` as that uid (`kill_uid`) would hit unrelated programs
+         dedicated uid per caller thread (`uid_base + native thread id`), so that no two
+         sandboxes share a process budget (RLIMIT_NPROC) or the final `kill(-1)` (`kill_uid`)
   user   any other uid (a cluster job): a user namespace as well (sandbox_userns.py), a new root
          that shows only the system folders and the interpreter, the program as uid 1000 of a
          nested user namespace without capabilities; Linux 5.15+ counts RLIMIT_NPROC per user
@@ -226,7 +225,7 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root) ->
         "max_procs": int(limits.max_procs),
         "max_file_mb": int(limits.max_file_mb),
     }
-    # marshal, not JSON: the launcher imports no json (and with it re, enum: ~15 ms per program)
+    # marshal, not JSON: the launcher imports no json (and with it re, enum: a start-up cost paid per program)
     with open(paths["spec"], "wb") as f:
         marshal.dump(spec, f)
     for key, text in (("program", program), ("stdin", stdin)):

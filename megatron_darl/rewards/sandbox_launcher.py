@@ -19,7 +19,7 @@ What it is not: importable library code (stdlib only, no package imports, so it 
 runs without the package on the path), nor a defence against kernel exploits.
 """
 
-import _signal as signal  # the C module: `signal` imports enum, ~10 ms per program
+import _signal as signal  # the C module: `signal` imports enum, a cost paid per program
 import ctypes
 import marshal
 import os
@@ -243,7 +243,7 @@ def _run_init(spec: dict, scratch: str, isolation: list[str], libc) -> int:
     if pid == 0:
         try:
             _exec_program(spec, scratch, isolation, libc)
-        except BaseException as e:  # noqa: BLE001 - report why the program could not start
+        except BaseException as e:  # report why the program could not start
             sys.stderr.write(f"[sandbox] could not start the program: {e!r}\n")
             sys.stderr.flush()
         os._exit(126)

@@ -42,12 +42,12 @@ class Grader:
     """Grades one item at a time in this process; graders are imported when it is built."""
 
     def __init__(self, config: RewardConfig) -> None:
-        from megatron_darl.rewards.code_grader import limits_from_config
-
         # imported now, not on the first item, so import time never counts against an item
-        import megatron_darl.rewards.math_grader  # noqa: F401
         import reasoning_gym.factory  # noqa: F401
+
+        import megatron_darl.rewards.math_grader  # noqa: F401
         from megatron_darl.data.procedural import ProceduralVerifier
+        from megatron_darl.rewards.code_grader import limits_from_config
 
         self.procedural_verifier = ProceduralVerifier()  # caches re-created datasets
 
@@ -87,7 +87,7 @@ def handle(grader: Grader, request: dict[str, Any]) -> dict[str, Any]:
     try:
         score, detail = grader.grade(RewardInput(**request["item"]))
         reply.update(score=score, status="ok", detail=detail)
-    except Exception as e:  # noqa: BLE001 - any grader failure costs this item only
+    except Exception as e:  # any grader failure costs this item only
         reply.update(score=0.0, status="error", detail=f"{type(e).__name__}: {e}"[:500])
     return reply
 
@@ -110,7 +110,7 @@ def main() -> None:
     os.dup2(2, 1)  # prints from graders and user functions go to stderr
     try:
         grader = Grader(RewardConfig(**json.loads(sys.argv[-1])))
-    except Exception as e:  # noqa: BLE001 - reported to the pool, which raises it
+    except Exception as e:  # reported to the pool, which raises it
         channel.write(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
         return
     channel.write(json.dumps({"ready": True}) + "\n")

@@ -60,16 +60,30 @@ class SGLangClient:
     """`RolloutEngine` over HTTP. Create it anywhere; its aiohttp session opens lazily in the
     running event loop (and is reopened if a later call runs in another loop).
 
-    A busy engine is not a dead one: `connect_timeout_s` bounds only the TCP connect
-    (aiohttp's `sock_connect`), never the wait for a free pooled connection, and the pool holds
-    `max_connections` generation requests plus CONTROL_CONNECTIONS (`None`: no limit; the
-    manager bounds requests per engine itself). aiohttp's default, 100 connections with the
-    pool wait counted in the connect timeout, made the 156 requests beyond the first 100 of a
-    256-wide engine time out after 5 s and the engine be marked down while it was working."""
+    A busy engine is not a dead one (hence `connect_timeout_s` and `max_connections` below):
+    aiohttp's default, 100 connections with the pool wait counted in the connect timeout, made
+    the 156 requests beyond the first 100 of a 256-wide engine time out after 5 s and the engine
+    be marked down while it was working."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0, max_retries: int = 3, backoff_s: float = 0.5,
                  initial_version: int = 0, max_connections: int | None = None, flush_cache: bool = True):
+        """A client of the engine at `url`; no connection is made until the first call.
+
+        Args:
+            url: the engine's base URL, e.g. `http://127.0.0.1:30000` (a trailing `/` is dropped).
+            api_key: sent as `Authorization: Bearer KEY` on every call; None or empty: no header.
+            timeout_s: seconds a whole call may take, /generate included: a hung engine surfaces after it.
+            connect_timeout_s: seconds for the TCP connect only (aiohttp's `sock_connect`), never the wait
+                for a free pooled connection.
+            max_retries: extra attempts after the first, on connection failures, 502/503/504 and timeouts.
+            backoff_s: seconds before the first retry; the wait doubles with every retry.
+            initial_version: the version SGLang's non-integer `weight_version` ("default", before any
+                update) stands for.
+            max_connections: the pool's generation connections, plus CONTROL_CONNECTIONS for control calls;
+                None: no limit (the manager bounds requests per engine itself).
+            flush_cache: ask for a cache flush with each folder load (see `sglang_requests.flushes_cache`).
+        """
         self.url = url.rstrip("/")
         self.flush_cache = flush_cache  # ask for a cache flush with each folder load (`rq.flushes_cache`)
         self.api_key = api_key
@@ -200,8 +214,18 @@ class SGLangClient:
     async def arequest(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None,
                        retries: int | None = None, retry_timeouts: bool = True) -> Any:
         """One call with retries; returns the decoded JSON answer (text if not JSON, None if
-        empty). Retries connection failures, 502/503/504 and (unless `retry_timeouts` is false)
-        timeouts, waiting backoff_s * 2**attempt between attempts."""
+        empty). Retries connection failures, 502/503/504 and timeouts, waiting
+        `backoff_s * 2**attempt` between attempts; raises `EngineHTTPError` or `EngineUnreachableError`.
+
+        Args:
+            method: the HTTP method, `GET` or `POST`.
+            route: the path after the base URL, e.g. `/generate`.
+            body: the JSON body; None sends none.
+            timeout_s: seconds the whole call may take; None: the client's `timeout_s`.
+            retries: extra attempts after the first; None: the client's `max_retries`.
+            retry_timeouts: also retry after a timeout; False raises at once on a read timeout (the
+                engine may still be working on it), while a connect timeout is always retried.
+        """
         retries = self.max_retries if retries is None else retries
         # sock_connect, not connect: waiting for a pooled connection is not a sign of a dead engine
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
@@ -211,7 +235,8 @@ class SGLangClient:
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                async with self._asession().request(method, self.url + route, json=body, headers=headers, timeout=timeout) as resp:
+                async with self._asession().request(method, self.url + route, json=body, headers=headers,
+                                                    timeout=timeout) as resp:
                     text = await resp.text()
                     if resp.status in RETRY_STATUSES and attempt < retries:
                         last = EngineHTTPError(self.url, route, resp.status, text)

@@ -1,32 +1,27 @@
 """Staleness gate: AReaL's admission control for asynchronous generation.
 
-The rule this class enforces: a new generation may start only while
+What it is: a small asyncio-friendly counter (`aacquire`, `try_acquire`, `release`,
+`on_version`, `state_dict`). Call it from the event loop's thread; another thread reports a
+version with `loop.call_soon_threadsafe(gate.on_version, v)`.
+What it is not: a rate limiter per engine or a queue of requests.
+
+The rule: a new generation may start only while
 
     (max_head_offpolicyness + 1) * batch_size + consumed - (accepted + running) > 0
 
 where `consumed` counts the generations the learner has used up, `batch_size` the units one
 training step consumes, `accepted` the finished generations kept so far (cumulative over the
-run) and `running` those in flight. So at most `max_head_offpolicyness + 1` (eta + 1) batches
-are generated and not yet used: eta = 0 admits exactly one batch per step (synchronous
-training), eta = 4 at most five batches beyond what was consumed. A rejected generation
-(`release(accepted=False)`, e.g. filtered or aborted) frees its place. The unit is whatever the
-caller counts in `batch_size`: the rollout manager counts groups (one prompt's G responses) and
-acquires once per group.
+run) and `running` those in flight: at most eta + 1 batches are generated and not yet used
+(eta = 0: synchronous training). A rejected generation (`release(accepted=False)`, e.g.
+filtered or aborted) frees its place. The unit is whatever the caller counts in `batch_size`:
+the rollout manager counts groups (one prompt's G responses) and acquires once per group.
 
-`consumed`: unless the learner reports it, one batch per version, `version * batch_size`, and
-the rule is AReaL's `(eta + version + 1) * batch_size - (accepted + running) > 0`. A learner
-that trains some groups more than once (D-ARL's replay) uses up fewer than one batch of new
-groups per step; with each version it reports how many it used up in all -- trained for the
-first time, or aged out untrained -- and how many new groups its next step takes
-(`on_version(v, consumed=n, batch_size=b)`): generation then replaces exactly what was used
-and runs eta of the learner's steps ahead, instead of producing a full batch per step that
-would age out untrained. Baselines, which train each group once, report
-`consumed = version * batch_size` and the configured batch: AReaL's rule exactly.
-
-What it is: a small asyncio-friendly counter (`aacquire`, `try_acquire`, `release`,
-`on_version`, `state_dict`). Call it from the event loop's thread; another thread reports a
-version with `loop.call_soon_threadsafe(gate.on_version, v)`.
-What it is not: a rate limiter per engine or a queue of requests.
+`consumed` is one batch per version, `version * batch_size`, unless the learner reports it:
+AReaL's rule `(eta + version + 1) * batch_size - (accepted + running) > 0`, which baselines keep.
+A learner that trains some groups more than once (D-ARL's replay) reports with each version the
+groups it used up in all (trained for the first time, or aged out untrained) and the new groups
+its next step takes (`on_version(v, consumed=n, batch_size=b)`): generation then replaces
+exactly what was used and runs eta of the learner's steps ahead.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class GroupWorkflow:
 
     def new_episode(self, prompt: Any) -> Episode:
         uid = prompt_uid(prompt)
-        ids = [int(x) for x in getattr(prompt, "input_ids")]
+        ids = [int(x) for x in prompt.input_ids]
         if not ids:
             raise ValueError(f"prompt uid={uid}: empty input_ids")
         g = self.config.group_size

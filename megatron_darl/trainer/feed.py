@@ -3,26 +3,24 @@
 What it is: `ReplayFeed`, run on the main learner rank. It moves trajectories from the
 shared-memory ring (written by the rollout manager) into the `ReplayStore`, counting every
 record it takes (`received`), and decides what each step consumes of new data, so that
-generation is not spent on groups that age out untrained:
+generation is not spent on groups that age out untrained.
+What it is not: the ring buffer, the store's rules, or selection.
+
 - a step trains `batch_groups` groups: never-trained ones and reused ones;
-- it is offered the OLDEST never-trained groups it takes (groups generated for a later step
-  wait: fresher, they would beat these, which would then age out) and the reused groups of
-  versions older than `step - max_head_offpolicyness` (older than the new data, which the
-  staleness gate keeps within eta versions: a reused group never crowds out a never-trained one),
-  as many as the batch has room for plus a quarter batch for selection to reject, freshest
-  first (every candidate costs a forward pass to score);
+- it is offered the OLDEST never-trained groups it takes (later ones wait) and the reused groups
+  of versions older than `step - max_head_offpolicyness` (so a reused group never crowds out a
+  never-trained one), as many as the batch has room for plus a quarter batch for selection to
+  reject, freshest first;
 - after each step the feed plans the next one's share of new groups, `new_groups` =
   `batch_groups` minus the reused groups expected to pass selection (the share admitted this
   step, applied to those the next step can be offered), at least batch_groups / max_reuse (a
   group is trained at most max_reuse times), more when too few reused groups can be offered;
 - the learner reports that share and `ReplayStore.consumed` (groups trained once or aged out
-  untrained) to the staleness gate in the weight notice: generation replaces what was used up
-  and runs eta of the learner's steps ahead. Baselines (no reuse) take `batch_groups` new
-  groups every step: AReaL's gate exactly.
+  untrained) to the staleness gate in the weight notice. Baselines (no reuse) take
+  `batch_groups` new groups every step: AReaL's gate exactly.
 While it waits it calls a liveness check, so a dead rollout side stops the run instead of
 hanging it. `drain_to(n)` takes exactly the first n records (checkpoints use it to match the
 manager's saved state).
-What it is not: the ring buffer, the store's rules, or selection.
 """
 
 from __future__ import annotations

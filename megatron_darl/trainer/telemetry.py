@@ -45,6 +45,19 @@ class Telemetry:
 
     def __init__(self, run_dir: str, total_steps: int, *, start_step: int = 0, tensorboard: bool = True,
                  jsonl: bool = True, progress: bool = True, enabled: bool = True, histogram_every: int = 1):
+        """Open the run's outputs; the prompt ledger `trained_prompts.jsonl` is kept whatever the other flags.
+
+        Args:
+            run_dir: the run folder: `tb/`, `metrics.jsonl` and `trained_prompts.jsonl` go under it.
+            total_steps: the run's step count, the progress bar's total.
+            start_step: the first step this process logs (a resumed run's checkpoint step): the files'
+                lines and TensorBoard events of steps >= it are dropped, since they are redone.
+            tensorboard: write TensorBoard scalars and histograms under `<run_dir>/tb`.
+            jsonl: append each step's scalars to `<run_dir>/metrics.jsonl`.
+            progress: show a tqdm bar (on stderr) with step, reward and ETA.
+            enabled: False makes every call a no-op and creates nothing (ranks other than the main one).
+            histogram_every: write histograms (list/array values) only every this many steps; 1: every step.
+        """
         self.enabled = enabled
         self.histogram_every = histogram_every
         self.run_dir = run_dir

@@ -1,34 +1,32 @@
 """The learner's side of `rollout.weight_sync=distributed`: broadcasting a version to engines.
 
 What it is: `WeightSender`, held by the main learner rank. `stage(version, buckets)` keeps the
-newest version's HF-named tensors (copied to CPU, checked finite by the publisher); a thread
-answers the rollout manager's transfer requests (`channel/weight_transfer.py`) with it. For each
-engine of a request it uses that engine's own process group, made through SGLang 0.5.23's
-`/init_weights_update_group` (the learner is rank 0 and hosts the rendezvous at
-master_address:<free port>, the engine's TP ranks are 1..tp). Each version goes to each engine
-inside SGLang's weight-update session, which 0.5.23 requires (it refuses
-/update_weights_from_distributed outside one, before receiving anything): `/begin_weight_update`
-(a session left open by a learner that stopped mid-version is ended first), then per bucket
-`/update_weights_from_distributed` (names, dtypes, shapes, the group; `weight_version` and
-`flush_cache` on the last bucket only, the flush only where the pause mode leaves no request
-holding KV: sglang 0.5.23 fails the update when a flush is refused, `rq.flushes_cache`) while it broadcasts the bucket's tensors from rank 0, in
-that order, one broadcast each (as SGLang receives them without a load_format), then
-`/end_weight_update`, on success and on every failure path. Engines are
-served concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL
-when the learner runs on GPUs, gloo on CPU; every broadcast is issued asynchronously and waited
-for with a deadline of `timeout_s`, after which the group is aborted; the groups are built
-without NCCL's teardown on error, so an engine that stops or dies mid-broadcast costs the
-learner that engine's version, never its life. An engine whose join, post or broadcast fails loses its group
-(`/destroy_weights_update_group`, best effort) and gets a fallback HF folder of the version,
-written once from the staged tensors (no collective, no re-gather): SGLang loads each bucket as
-it arrives, so an engine that failed half-way must load a whole version before it generates
-(the manager's rule). A new group name (the manager's, after an engine came back or the manager
-restarted) replaces the engine's old group.
-Why staged on CPU: the engines may ask at any time (a restarted or late engine gets the
-current version while the learner trains) and the transfer overlaps the next train step, as
-the disk path's loads do; the price is one device-to-host copy per version.
+newest version's HF-named tensors on CPU (checked finite by the publisher; one device-to-host
+copy per version, so that a restarted or late engine can get the current version at any time
+and a transfer overlaps the next train step); a thread answers the rollout manager's transfer
+requests (`channel/weight_transfer.py`) with it.
 What it is not: the gathering of TP/PP shards (`weights.iter_hf_buckets`) or the pause and
 resume around a transfer (the manager's).
+
+Each engine of a request has its own process group, made through SGLang 0.5.23's
+`/init_weights_update_group` (the learner is rank 0 and hosts the rendezvous at
+master_address:<free port>, the engine's TP ranks are 1..tp); a new group name (the manager's,
+after an engine came back or the manager restarted) replaces the engine's old group. A version
+goes to each engine inside SGLang's weight-update session, which 0.5.23 requires:
+`/begin_weight_update` (a session left open by a learner that stopped mid-version is ended
+first), then per bucket `/update_weights_from_distributed` (names, dtypes, shapes, the group;
+`weight_version` and `flush_cache` on the last bucket only, the flush only where the pause mode
+leaves no request holding KV, `rq.flushes_cache`: 0.5.23 fails the update when a flush is
+refused) while it broadcasts the bucket's tensors from rank 0, in that order, one broadcast
+each, then `/end_weight_update`, on success and on every failure path. Engines are served
+concurrently, bucket by bucket (a bucket goes to the device once for all of them). NCCL when
+the learner runs on GPUs, gloo on CPU; every broadcast is issued asynchronously and waited for
+with a deadline of `timeout_s`, after which the group is aborted; the groups are built without
+NCCL's teardown on error, so an engine that stops or dies mid-broadcast costs the learner that
+engine's version, never its life. An engine whose join, post or broadcast fails loses its group
+(`/destroy_weights_update_group`, best effort) and gets a fallback HF folder of the version,
+written once from the staged tensors: SGLang loads each bucket as it arrives, so an engine that
+failed half-way must load a whole version before it generates (the manager's rule).
 """
 
 from __future__ import annotations
@@ -81,6 +79,21 @@ class WeightSender:
     def __init__(self, notice_path: str, master_address: str, fallback_root: str, folder_info: tuple[dict, list[str]],
                  backend: str = "gloo", timeout_s: float = 120.0, api_key: str | None = None, poll_s: float = 0.02,
                  flush_cache: bool = True):
+        """A sender with nothing staged; its service thread starts at the first `stage`.
+
+        Args:
+            notice_path: the run's weight notice file; the transfer request and result files sit beside it.
+            master_address: this learner's address, where each engine group's rendezvous is hosted (a free port).
+            fallback_root: where fallback HF folders are written, one `v<version>` folder per failed version.
+            folder_info: `(config.json dict, folders holding the tokenizer files)` for those folders
+                (`hf_folder_info`).
+            backend: the broadcast's backend: `nccl` (learner on GPUs; buckets copied to CUDA first) or `gloo`.
+            timeout_s: seconds each step of a transfer may take (the join, an HTTP call, a bucket's broadcasts)
+                before that engine falls back (`rollout.weight_sync_timeout_s`); also `drain`'s default wait.
+            api_key: the engines' bearer token; None: no key.
+            poll_s: seconds between two reads of the request file (and of `drain`'s checks).
+            flush_cache: ask for a cache flush with the last bucket (`rq.flushes_cache(rollout.pause_mode)`).
+        """
         self.request_path, self.result_path = transfer_paths(notice_path)
         self.master_address, self.fallback_root, self.folder_info = master_address, fallback_root, folder_info
         self.backend, self.timeout_s, self.api_key, self.poll_s = backend, timeout_s, api_key, poll_s
@@ -160,7 +173,8 @@ class WeightSender:
             log.warning("weight version %d: broadcast failed for engines %s; writing a fallback folder",
                         version, failed)
             fallback = self._fallback_folder(version, buckets)
-        return {"id": req.get("id"), "version": version, "ok": [e["index"] for e in engines if e["index"] not in failed],
+        return {"id": req.get("id"), "version": version,
+                "ok": [e["index"] for e in engines if e["index"] not in failed],
                 "failed": failed, "fallback": fallback}
 
     def staged_folder(self, version: int) -> str | None:

@@ -1,4 +1,4 @@
-"""Issue 15.4 (learner side): a checkpoint that cannot be written fails at once, with its cause.
+"""Learner side: a checkpoint that cannot be written fails at once, with its cause.
 
 Probes: the checkpoints folder not writable (the run froze 10 minutes, then failed with a
 misleading "did not save its state within 600 s"), and the disk full (the run failed with

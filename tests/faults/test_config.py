@@ -1,4 +1,4 @@
-"""Issue 15.6: config facts checked before start, and overrides that take what users type.
+"""Config facts checked before start, and overrides that take what users type.
 
 Probes: `data.prompt_template={question}` on the command line (YAML read it as a mapping and the
 override failed; `Q: {question} A:` failed with a parser traceback), while `${other.key}` stays an

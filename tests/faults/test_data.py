@@ -1,4 +1,4 @@
-"""Issue 15.5: no input row is dropped without a word.
+"""No input row is dropped without a word.
 
 The probe: a JSONL file with 12 bad rows among good ones. Nine are bad as JSON (invalid JSON,
 not an object, missing or empty fields...), three only once encoded (a 1 MB prompt, characters
@@ -99,9 +99,9 @@ def test_generated_source_rejections_are_logged_and_counted_when_drawn(demo_tok,
 
 @pytest.mark.timeout(600)
 def test_demo_model_on_the_probe_file_trains_and_reports_every_dropped_row(tmp_path):
-    """Issue 15.5 and 15.6 end to end: `darl-train` with the built-in demo model (warm start on
-    the file's answers) and the probe file finishes, its metrics count the 12 dropped rows and
-    the rollout manager's log names each with file:line."""
+    """Bad rows and the demo model on a file, end to end: `darl-train` with the built-in demo model
+    (warm start on the file's answers) and the probe file finishes, its metrics count the 12
+    dropped rows and the rollout manager's log names each with file:line."""
     from tests.helpers.e2e import DarlRun, base_config, write_config
 
     path, bad_lines = write_probe(tmp_path / "probe.jsonl")

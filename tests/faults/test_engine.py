@@ -1,5 +1,5 @@
-"""Faults and hostile input on the embedded engine (issue 15, items 2 and 3), probed as a user's
-bad day would: each test reproduces a probe that did not hold and checks that it now does.
+"""Faults and hostile input on the embedded engine, probed as a user's bad day would: each test
+reproduces a probe that did not hold and checks that it now does.
 
 - one request never kills the engine: `sampling_seed` 2**64 (and the old `seed` key), NaN or
   Infinity temperature are refused with a clean 400 naming the field, and the engine serves
@@ -9,7 +9,7 @@ bad day would: each test reproduces a probe that did not hold and checks that it
 - SIGTERM with a request waiting stops the engine promptly (it answers the request 503);
 - a well-formed safetensors full of NaN is refused by /update_weights_from_disk (400,
   success false, old weights kept), and so is every malformed file (empty, header cut off,
-  header only, data cut off, integer dtype, missing, extra or misshapen tensor: issue 19), with
+  header only, data cut off, integer dtype, missing, extra or misshapen tensor), with
   the file and the cause named; a model that gives non-finite logits is reported by
   /health_generate (503) and refused at start.
 Engines are real `darl-engine` processes (or the same server in this process where a fault must
@@ -30,7 +30,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 import torch
 import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 from safetensors.torch import load_file, save_file
@@ -116,7 +115,8 @@ def test_one_hostile_request_gets_a_400_and_the_engine_goes_on(world, sampling, 
 def test_nan_weights_are_refused_and_the_old_weights_kept(world):
     url = world["url"]
     before = generate(url, {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 9, "temperature": 0.0})[1]
-    status, out = call(url, "/update_weights_from_disk", {"model_path": str(world["root"] / "nan"), "weight_version": "5"})
+    status, out = call(url, "/update_weights_from_disk",
+                       {"model_path": str(world["root"] / "nan"), "weight_version": "5"})
     assert status == 400 and out["success"] is False and "non-finite" in out["message"], out
     assert call(url, "/model_info")[1]["weight_version"] == "0"
     after = generate(url, {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 9, "temperature": 0.0})[1]
@@ -229,7 +229,8 @@ def test_a_failure_joining_one_request_fails_that_request_only(tmp_path, caplog)
 
     decoder.add = add_failing
     server = EngineServer(decoder, str(tmp_path / "m"))
-    body = {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    body = {"input_ids": [1, 2, 3], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
 
     async def main():
         async with serving(server) as url, aiohttp.ClientSession() as s:
@@ -266,12 +267,14 @@ def test_a_failure_in_the_decode_step_fails_its_batch_only_and_the_engine_goes_o
 
     decoder.step = step_failing
     server = EngineServer(decoder, str(tmp_path / "m"))
-    body = {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    body = {"input_ids": [1, 2, 3], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
 
     async def main():
         async with serving(server) as url, aiohttp.ClientSession() as s:
             assert (await _apost(s, url, "/pause_generation", {"mode": "in_place"}))[0] == 200
-            sent = [asyncio.create_task(_apost(s, url, "/generate", {**body, "rid": rid})) for rid in ("a", "poison", "b")]
+            sent = [asyncio.create_task(_apost(s, url, "/generate", {**body, "rid": rid}))
+                    for rid in ("a", "poison", "b")]
             while len(server.pending) < 3:
                 await asyncio.sleep(0.01)
             assert (await _apost(s, url, "/continue_generation", {}))[0] == 200
@@ -286,7 +289,8 @@ def test_a_failure_in_the_decode_step_fails_its_batch_only_and_the_engine_goes_o
     assert len(failed_batch) == 2 and "poison" in failed_batch, failed_batch
     for rid, (status, answer) in outs.items():
         if rid in failed_batch:
-            assert status == 500 and "decode step failed" in answer["error"] and "Overflow" in answer["error"], (rid, answer)
+            assert (status == 500 and "decode step failed" in answer["error"]
+                    and "Overflow" in answer["error"]), (rid, answer)
         else:  # queued behind the failed step: decoded on the next one
             assert status == 200 and len(answer["output_ids"]) == 5, (rid, answer)
     assert after[0] == 200 and len(after[1]["output_ids"]) == 5 and health == 200

@@ -1,9 +1,9 @@
-"""Faults of the launcher, as a user's bad day brings them (issue 15, items 1 and 7).
+"""Faults of the launcher, as a user's bad day brings them.
 
 1. An engine killed mid-run: its host restarts it (new port, same flags, its log still in
    `logs/`), training finishes, the evaluation after training finds the engine at its new
    address, and `darl-train` exits 0 with a `summary.json`.
-7. A run whose learners wait for data that never comes (every /generate rejected by the
+2. A run whose learners wait for data that never comes (every /generate rejected by the
    engine) gets SIGTERM: it checkpoints what it has and stops, exit 0, within a bounded time,
    and leaves nothing behind.
 """
@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.e2e import (
-    assert_nothing_left, new_run, role_pid, run_groups,
+    assert_nothing_left,
+    new_run,
+    role_pid,
+    run_groups,
 )
 
 

@@ -1,4 +1,4 @@
-"""Faults on the rollout manager's side (issue 15, items 4 and 8), each reproducing a probe that
+"""Faults on the rollout manager's side, each reproducing a probe that
 did not hold:
 - resume: the manager no longer pushes the dead run's weight folder to the engines (HTTP 400,
   counted as an engine failure); it waits for the learner's publication of the restored
@@ -135,8 +135,8 @@ def test_the_learner_fails_at_once_with_the_managers_error(tmp_path):
         def notify(self, **kw):
             pass
 
-    ckpt = RunCheckpointer(learner=None, feed=None, publisher=Publisher(), ckpt_dir=str(tmp_path), status_path=str(status),
-                           group_size=2, keep_last=1, alive=lambda: None)
+    ckpt = RunCheckpointer(learner=None, feed=None, publisher=Publisher(), ckpt_dir=str(tmp_path),
+                           status_path=str(status), group_size=2, keep_last=1, alive=lambda: None)
     with pytest.raises(RuntimeError, match="cannot write"):  # before: waited out the timeout
         ckpt._rollout_state(str(tmp_path / "step_00000002.rollout.json"), timeout_s=5.0)
 

@@ -1,4 +1,4 @@
-"""Issue 15.9: generated code and every process it starts stay out of the host's /tmp; issue 33:
+"""Generated code and every process it starts stay out of the host's /tmp, and
 HumanEval through the reward pool scores as it should, as root and as an ordinary user.
 
 The probe: with the Python interpreter in a virtualenv under /tmp (common in CI and containers),

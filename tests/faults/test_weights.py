@@ -1,4 +1,4 @@
-"""Issue 15.3 (learner side): what the learner publishes is checked finite before any engine loads it.
+"""Learner side: what the learner publishes is checked finite before any engine loads it.
 
 The probe: an engine accepts a well-formed safetensors file of NaNs (`success: true`) and then
 answers with NaN log-probs. The learner must never announce such weights: a publish whose export
@@ -26,7 +26,6 @@ from megatron_darl.channel.weight_notice import read_notice
 from megatron_darl.trainer.publication import Publisher
 from tests.helpers import repo_env
 from tests.helpers.e2e import assert_nothing_left, new_run
-
 
 
 class ExportingLearner:

@@ -72,7 +72,8 @@ def _stage_model(meta, pp_rank, world):
         qk_layernorm=qwen3, tensor_model_parallel_size=world, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qwen3, normalization="RMSNorm"),
+    return GPTModel(config=cfg,
+                    transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qwen3, normalization="RMSNorm"),
                     vocab_size=meta.padded_vocab_size, max_sequence_length=64, position_embedding_type="rope",
                     rotary_base=int(c.get("rope_theta", 10000)),
                     share_embeddings_and_output_weights=bool(c.get("tie_word_embeddings")),

@@ -1,7 +1,7 @@
 """Test durations as measured, and the marks and the fast tier that follow from them.
 
 What it is: a pytest plugin over `tests/durations.json` (node id -> seconds, setup + call +
-teardown, as a full run of the README's test command measured them on the 2-core build machine):
+teardown, as a full run of the README's test command measured them):
 - every test measured at `SLOW_S` (10 s) or more is marked `slow`, so `-m "not slow"` leaves
   out what the measurement says is slow, not what someone once guessed;
 - `--fast` also leaves out every test measured at `FAST_S` (2 s) or more (end-to-end runs, Slurm
@@ -72,7 +72,8 @@ def pytest_addoption(parser) -> None:
     group.addoption("--durations-file", metavar="FILE", default=FILE, dest="durations_file",
                     help="the measured durations (default: tests/durations.json)")
     group.addoption("--fast", action="store_true",
-                    help=f"leave out the tests measured at >= {FAST_S:g} s (tests/durations.json) and those marked slow")
+                    help=f"leave out the tests measured at >= {FAST_S:g} s (tests/durations.json) "
+                         "and those marked slow")
     group.addoption("--record-durations", action="store_true", dest="record_durations",
                     help="rewrite tests/durations.json from this run's measured durations")
 

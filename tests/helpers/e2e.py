@@ -118,7 +118,7 @@ class DarlRun:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"darl-train did not finish within {timeout_s} s:\n{self.output()[-4000:]}")
+            raise AssertionError(f"darl-train did not finish within {timeout_s} s:\n{self.output()[-4000:]}") from None
 
     def kill(self) -> None:
         """Teardown of a test, also one that failed midway: SIGTERM to the launcher (it stops its

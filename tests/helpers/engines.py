@@ -92,7 +92,8 @@ async def serving(server) -> AsyncIterator[str]:
 
 @contextmanager
 def running_engines(specs: list[tuple[Path, str | None]], log_dir: Path, max_batch: int = 32,
-                    startup_s: float = 60.0, extra_args: tuple[str, ...] = ()) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+                    startup_s: float = 60.0,
+                    extra_args: tuple[str, ...] = ()) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """One darl-engine per (model_dir, api_key) with `extra_args` (more darl-engine flags), each
     logging to `<log_dir>/engine<i>.log`; yields their (url, process) once all answer /health, and
     always stops them on exit."""
@@ -152,7 +153,8 @@ def running_standin(model_dir: Path | str, log_dir: Path, startup_s: float = 90.
         deadline = time.monotonic() + startup_s
         while not healthy(url, None):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the stand-in did not start:\n{(Path(log_dir) / 'standin.log').read_text()[-3000:]}")
+                raise AssertionError(f"the stand-in did not start:\n"
+                                     f"{(Path(log_dir) / 'standin.log').read_text()[-3000:]}")
             time.sleep(0.2)
         yield url, calls
     finally:

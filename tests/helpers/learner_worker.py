@@ -77,7 +77,8 @@ def make_learner(hf_dir: str, tp: int, pp: int, *, policy_loss: str = "darl", mi
     from megatron_darl.learner.megatron_learner import MegatronLearner
 
     return MegatronLearner(
-        ModelConfig(hf_dir=hf_dir, recompute=recompute, recompute_modules=list(recompute_modules)), ParallelConfig(tp=tp, pp=pp),
+        ModelConfig(hf_dir=hf_dir, recompute=recompute, recompute_modules=list(recompute_modules)),
+        ParallelConfig(tp=tp, pp=pp),
         OptimConfig(lr=lr, grad_clip=1.0, lr_warmup_steps=1, lr_decay_style="linear", lr_decay_steps=8),
         LearnerConfig(micro_batch_tokens=micro_batch_tokens),
         learner_algo(policy_loss, ppo_n_minibatches=n_minibatches, **algo_kw),
@@ -308,10 +309,10 @@ def token_batch(rows: list[list[int]]):
 
 def scenario_architectures(args: dict) -> dict:
     """Learner log-probs (fp32, temperature 1) of each model at TP = world size, in turn."""
+    import torch.distributed as dist
+
     from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_darl.learner.megatron_learner import MegatronLearner
-
-    import torch.distributed as dist
 
     out = {}
     for name, spec in args["models"].items():
@@ -436,7 +437,7 @@ def launch(name: str, args: dict, world: int, workdir: str, timeout: float = 240
             if p.poll() is None:
                 p.kill()
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"scenario {name} (world {world}) failed:\n" + "\n".join(l[-3000:] for l in logs))
+        raise RuntimeError(f"scenario {name} (world {world}) failed:\n" + "\n".join(log[-3000:] for log in logs))
     with open(out_path) as f:
         return json.load(f)
 

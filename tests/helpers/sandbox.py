@@ -20,8 +20,14 @@ import signal
 
 import pytest
 
-from megatron_darl.rewards.sandbox import (SandboxLimits, kill_uid, root_path, run_sandboxed, sandbox_problem,
-                                           sandbox_uid)
+from megatron_darl.rewards.sandbox import (
+    SandboxLimits,
+    kill_uid,
+    root_path,
+    run_sandboxed,
+    sandbox_problem,
+    sandbox_uid,
+)
 
 REQUIRE = os.environ.get("DARL_REQUIRE_SANDBOX") == "1"
 # root of the machine takes the root path; any other uid (or root of a user namespace) the user path

@@ -51,7 +51,6 @@ from typing import Any
 
 from megatron_darl.data.tokenizers import default_cache_dir
 from megatron_darl.rollout.sglang_requests import SGLANG_VERSION
-
 from tests.helpers.network import needs_network
 
 # the tag sglang 0.5.23 publishes its only wheel under (checked with `pip download`); pure-Python
@@ -164,7 +163,7 @@ class Release:
         return self.module("sglang.api.v1.api_types")
 
     @property
-    def SamplingParams(self) -> type:  # noqa: N802 (the release's class)
+    def SamplingParams(self) -> type:  # the release's class name
         return self.module("sglang.srt.sampling.sampling_params").SamplingParams
 
     @property
@@ -361,7 +360,8 @@ def _admits(ann: ast.expr, value: Any) -> bool:
         if head == "List":
             return isinstance(value, list) and all(_admits(args[0], v) for v in value)
         if head == "Dict":
-            return isinstance(value, dict) and all(_admits(args[0], k) and _admits(args[1], v) for k, v in value.items())
+            return isinstance(value, dict) and all(_admits(args[0], k) and _admits(args[1], v)
+                                                   for k, v in value.items())
         if head == "Literal":
             return value in [a.value for a in args]
         if head == "Annotated":

@@ -17,8 +17,8 @@ would use: tokens decoded on it are counted (`mixed_tokens` of each /generate in
 `mixed` on /continue_generation and /end_weight_update, `mixed_steps` in /server_info) for the
 tests to find. A weight update's `flush_cache` is refused, failing the update with the release's
 message after the weights changed, while a request holds KV (`Release.flush_rules`: paused with
-`in_place`, the running requests do; `retract` and `abort` leave none). Generation reuses the project's `Decoder`. Every call is appended to `--calls`
-(JSON lines) for the test to inspect.
+`in_place`, the running requests do; `retract` and `abort` leave none). Generation reuses the
+project's `Decoder`. Every call is appended to `--calls` (JSON lines) for the test to inspect.
 Run: `python sglang_standin.py --model DIR --port P --release-root ROOT --calls FILE`.
 What it is not: SGLang (no scheduler, radix cache or tokenizer), or a test.
 """
@@ -93,9 +93,11 @@ class StandIn:
                 "e2e_latency": time.monotonic() - req.started}
         if not queued_abort:
             meta.update(prompt_tokens=req.seq.prompt_len, num_retractions=0, reasoning_tokens=0, cached_tokens=0)
-        spans = wv.compute_weight_version_spans(req.weight_version_events, current_version=self.version, num_output_tokens=n)
+        spans = wv.compute_weight_version_spans(req.weight_version_events, current_version=self.version,
+                                                num_output_tokens=n)
         wv.add_weight_versions_to_meta_info(meta, spans, num_output_tokens=n)
-        meta.update(input_token_logprobs=[], output_token_logprobs=[[lp, t, None] for lp, t in zip(req.seq.logprobs, req.output_ids)],
+        meta.update(input_token_logprobs=[],
+                    output_token_logprobs=[[lp, t, None] for lp, t in zip(req.seq.logprobs, req.output_ids)],
                     output_token_logprobs_length=n, completion_tokens=n)
         out = {"text": "", "output_ids": list(req.output_ids), "meta_info": meta}
         self.rel.api.GenerateResponse.from_json_value(out)
@@ -236,7 +238,8 @@ class StandIn:
                 self.log("/update_weights_from_disk", 400, body, error=str(exc))
                 return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
             if body.get("weight_version") is not None and body["weight_version"] != self.version:
-                self.rel.weight_versions.record_weight_version_events(list(self.reqs.values()), old_version=self.version)
+                self.rel.weight_versions.record_weight_version_events(list(self.reqs.values()),
+                                                                      old_version=self.version)
                 self.version = body["weight_version"]
             self.model_path = body["model_path"]
             refusal = self.flush_refusal(body)
@@ -283,7 +286,8 @@ class StandIn:
 
         def loaded(_):
             if body.get("weight_version") is not None and body["weight_version"] != self.version:
-                self.rel.weight_versions.record_weight_version_events(list(self.reqs.values()), old_version=self.version)
+                self.rel.weight_versions.record_weight_version_events(list(self.reqs.values()),
+                                                                      old_version=self.version)
                 self.version = body["weight_version"]
 
         return await self._weights_op("/update_weights_from_distributed", body, receive,

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.helpers import REPO
 
 REQUIRE = os.environ.get("DARL_REQUIRE_SLURM") == "1"

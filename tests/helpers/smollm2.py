@@ -7,7 +7,7 @@ tests that need it skip saying so (tests/helpers/network.py). transformers
 loads a GGUF with `gguf_file=` (needs `gguf`) and dequantises it to fp32, but refuses to save a
 GGUF-quantised model: the weights go into a fresh model built from the same config without its
 `quantization_config`, which is saved. The folder is cached (test_assets/ of the project's cache
-folder, MEGATRON_DARL_CACHE, default ~/.cache/megatron_darl) because the conversion takes a minute or more on two cores.
+folder, MEGATRON_DARL_CACHE, default ~/.cache/megatron_darl) because the conversion is slow on a small CPU machine.
 Not a test module itself.
 """
 

@@ -1,5 +1,4 @@
-"""The README's demo recipe learns (issue 19, item 3): a change that breaks learning fails CI
-instead of the README.
+"""The README's demo recipe learns: a change that breaks learning fails CI instead of the README.
 
 The recipe of `configs/cpu_demo_darl.yaml` (model, warm start stopped on held-out accuracy,
 D-ARL with replay and selection, rollout and reward settings, learning rate), reduced in size
@@ -28,10 +27,9 @@ import statistics
 import pytest
 import yaml
 
+from megatron_darl.launch.warmstart import read_stats
 from tests.helpers.e2e import DarlRun, assert_nothing_left, write_config
 from tests.helpers.network import dead_proxy_env
-
-from megatron_darl.launch.warmstart import read_stats
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "cpu_demo_darl.yaml")
 REDUCED = {
@@ -90,7 +88,8 @@ def test_the_demo_recipe_learns_at_reduced_size(tmp_path):
                                                  f"{after:.3f} (first and last {q} steps, se {se:.3f})\n"
                                                  + run.output()[-3000:])
     assert summary["gain"] > -0.05, (f"accuracy on the evaluation problems fell: {summary['accuracy_before']:.3f} -> "
-                                     f"{summary['accuracy_after']:.3f}, gain {summary['gain']:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+                                     f"{summary['accuracy_after']:.3f}, gain {summary['gain']:+.3f} "
+                                     f"[{lo:+.3f}, {hi:+.3f}]")
     assert_nothing_left(run, run.run_info()["run_id"])
 
 

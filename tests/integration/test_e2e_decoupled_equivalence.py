@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 import torch
 
-
 from megatron_darl.algo.config import AlgoConfig
 from megatron_darl.channel.ports import free_port
 from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig

@@ -41,7 +41,8 @@ def train_against_standin(tmp_path, warm_model, **rollout):
     calls = tmp_path / "calls.jsonl"
     env = repo_env(OMP_NUM_THREADS="1")
     log = open(tmp_path / "standin.log", "w")
-    standin = subprocess.Popen([sys.executable, "-m", "tests.helpers.sglang_standin", "--model", os.path.join(run.run_dir, "model"),
+    standin = subprocess.Popen([sys.executable, "-m", "tests.helpers.sglang_standin",
+                                "--model", os.path.join(run.run_dir, "model"),
                                 "--port", str(port), "--release-root", release.root, "--version", release.version,
                                 "--calls", str(calls)], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -75,7 +76,8 @@ def test_darl_train_against_an_sglang_standin(tmp_path, warm_model):
     updates = [c["body"] for c in served if c["route"] == "/update_weights_from_disk"]
     versions = [int(u["weight_version"]) for u in updates]
     assert len(versions) >= STEPS - 1 and versions == sorted(set(versions)) and versions[0] == 1, updates
-    assert any(c["route"] == "/pause_generation" for c in served) and any(c["route"] == "/continue_generation" for c in served)
+    assert (any(c["route"] == "/pause_generation" for c in served)
+            and any(c["route"] == "/continue_generation" for c in served))
     generated = [c for c in served if c["route"] == "/generate"]
     assert {v["version"] for c in generated for v in c["versions"]} >= {"default", "1"}
     failures = [m["rollout/engine_failures"] for m in run.metrics() if "rollout/engine_failures" in m]
@@ -99,7 +101,7 @@ def test_darl_train_with_distributed_weight_sync_against_an_sglang_standin(tmp_p
                 if c["route"] == "/update_weights_from_distributed" and c["body"]["weight_version"] is not None]
     assert versions == list(range(1, STEPS + 1)), versions
     # every version inside the release's weight-update session (the stand-in refuses a bucket
-    # outside one: the sender before issue 31 failed here), and no token decoded on part of one
+    # outside one: an earlier sender failed here), and no token decoded on part of one
     session = [c["route"] for c in served if c["route"] in ("/begin_weight_update", "/end_weight_update",
                                                              "/update_weights_from_distributed")]
     opened = [i for i, r in enumerate(session) if r == "/begin_weight_update"]

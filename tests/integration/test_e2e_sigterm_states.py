@@ -37,7 +37,8 @@ STATES = {
 
 
 def _half_written(run_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(run_dir, "model.tmp*")) + glob.glob(os.path.join(run_dir, "checkpoints", "*.tmp"))
+    return sorted(glob.glob(os.path.join(run_dir, "model.tmp*"))
+                  + glob.glob(os.path.join(run_dir, "checkpoints", "*.tmp"))
                   + glob.glob(os.path.join(run_dir, "checkpoints", "*.old")))
 
 

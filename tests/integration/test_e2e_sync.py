@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.e2e import assert_nothing_left, new_run
-from tests.helpers.sync_reference import reference_losses
-
 from megatron_darl.channel.ports import free_port
 from megatron_darl.config import load_config
+from tests.helpers.e2e import assert_nothing_left, new_run
+from tests.helpers.sync_reference import reference_losses
 
 SYNC = {"algo": {"max_head_offpolicyness": 0, "replay": False, "sg": False, "pmis": False, "policy_loss": "ppo",
                  "old_logprob": "proximal", "ppo_n_minibatches": 2}}

@@ -16,9 +16,8 @@ import tempfile
 
 import pytest
 
-from tests.helpers.e2e import base_config, write_config
-
 from megatron_darl.config import load_config
+from tests.helpers.e2e import base_config, write_config
 
 N = 60
 

@@ -54,7 +54,7 @@ def pytest_run(folder, *args: str, target: str = "") -> subprocess.CompletedProc
     command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.durations", "-p", "no:cacheprovider",
                "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), "--durations-file",
                str(folder / "durations.json"), target or str(folder), "-v", *args]
-    # only the plugin under test: the installed ones (hypothesis's costs 2.5 s a start) stay out
+    # only the plugin under test: the installed ones (hypothesis's costs seconds a start) stay out
     return subprocess.run(command, cwd=folder, env=repo_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
                           capture_output=True, text=True, timeout=120)
 

@@ -37,7 +37,7 @@ def pytest_run(folder, *args: str, env: dict[str, str] | None = None) -> subproc
     """pytest over `folder` with the plugin and no ini file of the repository's."""
     command = [sys.executable, "-m", "pytest", "-p", "tests.helpers.expected_skips", "-p", "no:cacheprovider",
                "-c", str(folder / "pytest.ini"), "--rootdir", str(folder), str(folder), *args]
-    # only the plugin under test: the installed ones (hypothesis's costs 2.5 s a start) stay out
+    # only the plugin under test: the installed ones (hypothesis's costs seconds a start) stay out
     env = dict(env or repo_env(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 

@@ -23,7 +23,8 @@ def test_diagnostics_match_reference():
         suffix = "" if k is None else f"/v{k}"
         n = max(len(ls), 1)
         assert math.isclose(float(out[f"algo/kl_k1{suffix}"]), sum(-x for x in ls) / n, rel_tol=1e-9, abs_tol=1e-12)
-        assert math.isclose(float(out[f"algo/kl_k2{suffix}"]), sum(x * x / 2 for x in ls) / n, rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(float(out[f"algo/kl_k2{suffix}"]), sum(x * x / 2 for x in ls) / n,
+                            rel_tol=1e-9, abs_tol=1e-12)
         k3 = sum(math.exp(x) - 1 - x for x in ls) / n
         assert math.isclose(float(out[f"algo/kl_k3{suffix}"]), k3, rel_tol=1e-9, abs_tol=1e-12)
         assert math.isclose(float(out[f"algo/ess_frac{suffix}"]), ref.ess(ws) / n, rel_tol=1e-9, abs_tol=1e-12)
@@ -70,5 +71,6 @@ def test_algo_imports_alone():
         "assert not bad, bad; assert callable(a.darl_policy_loss); print('ok')"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, cwd=str(__import__("pathlib").Path(__file__).parents[3]))
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                         cwd=str(__import__("pathlib").Path(__file__).parents[3]))
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

@@ -3,18 +3,18 @@
 import pytest
 import torch
 
-from tests.helpers import algo_reference as ref
 from megatron_darl.algo import (
     darl_policy_loss,
     decoupled_ppo_loss,
     diagnostics,
-    grpo_advantages,
     group_scores,
+    grpo_advantages,
     pmis_batch_constants,
     pmis_statistics,
     select_groups,
     variance_scores,
 )
+from tests.helpers import algo_reference as ref
 
 pytestmark = pytest.mark.gpu
 

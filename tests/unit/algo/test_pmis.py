@@ -6,18 +6,18 @@ import math
 import pytest
 import torch
 
-from tests.helpers import algo_reference as ref
 from megatron_darl.algo import (
     balance_weights,
     darl_policy_loss,
+    decoupled_ppo_loss,
     interpolate_version_logp,
     pmis_batch_constants,
     pmis_coefficients,
     ppo_loss,
     rollout_is_weights,
     sg_policy_loss,
-    decoupled_ppo_loss,
 )
+from tests.helpers import algo_reference as ref
 
 SHAPES = [(1, 1), (5, 4), (9, 11)]
 
@@ -29,7 +29,8 @@ def lists(*ts):
 @pytest.mark.parametrize("b,t", SHAPES)
 @pytest.mark.parametrize("mode", ["ess", "tokens"])
 def test_coefficients_match_reference(b, t, mode):
-    _, prox, behav, _, mask, versions = ref.rand_inputs(b, t, seed=b * 3 + t, scale=0.8, empty_rows=[0] if b > 1 else ())
+    _, prox, behav, _, mask, versions = ref.rand_inputs(b, t, seed=b * 3 + t, scale=0.8,
+                                                        empty_rows=[0] if b > 1 else ())
     w, _ = rollout_is_weights(prox, behav, mask)
     beta, metrics = pmis_coefficients(versions, w, mask, mode=mode)
     want = ref.pmis_beta(versions.tolist(), w.tolist(), mask.tolist(), mode=mode)
@@ -52,10 +53,12 @@ def test_sequence_level_ess_counts_sequences():
 
 
 @pytest.mark.parametrize("b,t", SHAPES)
-@pytest.mark.parametrize("is_kw", [dict(level="token", mode="truncate"), dict(level="sequence", mode="mask", threshold=3.0),
+@pytest.mark.parametrize("is_kw", [dict(level="token", mode="truncate"),
+                                   dict(level="sequence", mode="mask", threshold=3.0),
                                    dict(level="geometric", mode="truncate", threshold=1.5)])
 def test_darl_loss_matches_reference(b, t, is_kw):
-    logp, prox, behav, adv, mask, versions = ref.rand_inputs(b, t, seed=40 + b, scale=0.4, empty_rows=[1] if b > 2 else ())
+    logp, prox, behav, adv, mask, versions = ref.rand_inputs(b, t, seed=40 + b, scale=0.4,
+                                                             empty_rows=[1] if b > 2 else ())
     lib_kw = {f"is_{k}": v for k, v in is_kw.items()}
     loss, metrics = darl_policy_loss(logp, prox, behav, adv, mask, versions, pmis="ess", **lib_kw)
     w = ref.is_weights(prox.tolist(), behav.tolist(), mask.tolist(), **is_kw)
@@ -122,10 +125,12 @@ def test_micro_batches_with_batch_constants_sum_to_the_full_loss(kw):
     logp, prox, behav, adv, mask, versions = ref.rand_inputs(9, 6, seed=14, scale=0.5, empty_rows=[3])
     by_version = interpolate_version_logp(prox, behav, versions, 3, [0, 1, 2]) if kw["pmis"] == "balance" else None
     const_kw = {k: v for k, v in kw.items() if k.startswith("is_") or k == "pmis"}
-    beta, counts, metrics = pmis_batch_constants(prox, behav, mask, versions, behav_logp_by_version=by_version, **const_kw)
+    beta, counts, metrics = pmis_batch_constants(prox, behav, mask, versions, behav_logp_by_version=by_version,
+                                                 **const_kw)
     assert any(k.startswith("algo/beta/v") for k in metrics)
     q_full = logp.clone().requires_grad_(True)
-    full, full_metrics = darl_policy_loss(q_full, prox, behav, adv, mask, versions, behav_logp_by_version=by_version, **kw)
+    full, full_metrics = darl_policy_loss(q_full, prox, behav, adv, mask, versions,
+                                          behav_logp_by_version=by_version, **kw)
     g_full, = torch.autograd.grad(full, q_full)
     q = logp.clone().requires_grad_(True)
     total, clip_frac, start = 0.0, 0.0, 0

@@ -5,7 +5,6 @@ import random
 import pytest
 import torch
 
-from tests.helpers import algo_reference as ref
 from megatron_darl.algo import (
     admitted_groups,
     group_scores,
@@ -14,6 +13,7 @@ from megatron_darl.algo import (
     selection_threshold,
     variance_scores,
 )
+from tests.helpers import algo_reference as ref
 
 
 @pytest.mark.parametrize("b,t", [(1, 1), (5, 7), (9, 3)])

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
-from tests.helpers import ring_workers as rw
 
 from megatron_darl.channel.shm_ring import RingStaleError, ShmRing, segment_path
+from tests.helpers import ring_workers as rw
 
 CTX = mp.get_context("spawn")
 

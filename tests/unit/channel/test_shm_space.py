@@ -1,4 +1,4 @@
-"""Issue 23: a /dev/shm smaller than `ring.size_bytes` stops the run at start, saying what to change.
+"""A /dev/shm smaller than `ring.size_bytes` stops the run at start, saying what to change.
 
 Docker gives a container 64 MB of /dev/shm; the demo's ring is 256 MiB. Before, the learner
 failed when it created the ring ("No space left on device"), after the warm start. Now the
@@ -19,7 +19,6 @@ from tests.helpers import REPO, repo_env
 from tests.helpers.require import require_mounts
 
 
-
 def test_a_ring_larger_than_the_free_space_is_refused_with_both_fixes(tmp_path):
     st = os.statvfs(tmp_path)
     free = st.f_bavail * st.f_frsize
@@ -35,7 +34,8 @@ def test_demo_refuses_at_start_in_a_64mb_dev_shm(tmp_path):
     run = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$0\" -c "
            "'import sys; from megatron_darl.launch.cli import train_main; sys.exit(train_main(sys.argv[1:]))' \"$@\"")
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", run, sys.executable,
-                           "--config", os.path.join(REPO, "configs/cpu_demo_darl.yaml"), f"train.run_dir={tmp_path}/run"],
+                           "--config", os.path.join(REPO, "configs/cpu_demo_darl.yaml"),
+                           f"train.run_dir={tmp_path}/run"],
                           env=repo_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "darl-train: cannot start" in done.stderr

@@ -71,7 +71,8 @@ def test_qkv_fusion_matches_head_by_head_reference():
     hf = random_hf_state(a)
     p = "model.layers.2.self_attn."
     fused = a.from_hf("decoder.layers.2.self_attention.linear_qkv.weight", hf.__getitem__)
-    assert torch.equal(fused, naive_qkv(hf[p + "q_proj.weight"], hf[p + "k_proj.weight"], hf[p + "v_proj.weight"], 4, 2, 24))
+    assert torch.equal(fused, naive_qkv(hf[p + "q_proj.weight"], hf[p + "k_proj.weight"], hf[p + "v_proj.weight"],
+                                        4, 2, 24))
     back = dict(a.to_hf("decoder.layers.2.self_attention.linear_qkv.weight", fused))
     assert all(torch.equal(back[p + x], hf[p + x]) for x in ("q_proj.weight", "k_proj.weight", "v_proj.weight"))
 
@@ -97,7 +98,8 @@ def test_tp_shards_match_naive_reference():
                       a.from_hf(L + "self_attention.linear_qkv.weight", hf.__getitem__), r, tp)
         q, k, v = (hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
         # rank r holds query group r: heads 2r, 2r+1 (24 rows each), then k and v of group r
-        assert torch.equal(qkv, naive_qkv(q[r * 48:(r + 1) * 48], k[r * 24:(r + 1) * 24], v[r * 24:(r + 1) * 24], 2, 1, 24))
+        assert torch.equal(qkv, naive_qkv(q[r * 48:(r + 1) * 48], k[r * 24:(r + 1) * 24], v[r * 24:(r + 1) * 24],
+                                          2, 1, 24))
         fc1 = a.shard(L + "mlp.linear_fc1.weight", a.from_hf(L + "mlp.linear_fc1.weight", hf.__getitem__), r, tp)
         gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
         assert torch.equal(fc1, torch.cat([gate[r * 48:(r + 1) * 48], up[r * 48:(r + 1) * 48]]))
@@ -105,7 +107,8 @@ def test_tp_shards_match_naive_reference():
         assert torch.equal(fc2, hf[p + "mlp.down_proj.weight"][:, r * 48:(r + 1) * 48])
         proj = a.shard(L + "self_attention.linear_proj.weight", hf[p + "self_attn.o_proj.weight"], r, tp)
         assert torch.equal(proj, hf[p + "self_attn.o_proj.weight"][:, r * 48:(r + 1) * 48])
-        emb = a.shard("embedding.word_embeddings.weight", a.from_hf("embedding.word_embeddings.weight", hf.__getitem__, tp), r, tp)
+        emb = a.shard("embedding.word_embeddings.weight",
+                      a.from_hf("embedding.word_embeddings.weight", hf.__getitem__, tp), r, tp)
         padded = torch.cat([hf["model.embed_tokens.weight"], torch.zeros(512 - 300, 64)])
         assert torch.equal(emb, padded[r * 256:(r + 1) * 256])
         norm = a.shard(L + "input_layernorm.weight", hf[p + "input_layernorm.weight"], r, tp)
@@ -115,7 +118,8 @@ def test_tp_shards_match_naive_reference():
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_tensor_round_trips_through_fuse_shard_unshard_split(arch, tied):
-    cfg = {**CFG, "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]],
+    cfg = {**CFG, "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                     "llama": "LlamaForCausalLM"}[arch]],
            "model_type": arch, "tie_word_embeddings": tied}
     a = get_adapter(cfg)
     hf = random_hf_state(a)

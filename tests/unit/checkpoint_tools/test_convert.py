@@ -38,7 +38,8 @@ def assert_same_tensors(a: dict, b: dict):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("tied,dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["untied-fp32", "tied-bf16"])
+@pytest.mark.parametrize("tied,dtype", [(False, torch.float32), (True, torch.bfloat16)],
+                         ids=["untied-fp32", "tied-bf16"])
 def test_round_trip_tp2_pp2_is_bit_identical_and_loads_in_transformers(hf_factory, tmp_path, tied, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +86,8 @@ def test_reshard_equals_direct_conversion(hf_factory, tmp_path, tied):
     d = {name: str(tmp_path / name) for name in ("t2p2", "t1p1", "r11", "r22")}
     hf_to_mcore(src, d["t2p2"], tp=2, pp=2, progress=False)
     hf_to_mcore(src, d["t1p1"], tp=1, pp=1, progress=False)
-    assert main(["--no-progress", "reshard", "--mcore-dir", d["t2p2"], "--out", d["r11"], "--tp", "1", "--pp", "1"]) == 0
+    assert main(["--no-progress", "reshard", "--mcore-dir", d["t2p2"], "--out", d["r11"],
+                 "--tp", "1", "--pp", "1"]) == 0
     reshard(d["t1p1"], d["r22"], tp=2, pp=2, progress=False)  # the other way: vocab padding grows 384 -> 512
     assert_same_tensors(mcore_tensors(d["t1p1"]), mcore_tensors(d["r11"]))
     assert_same_tensors(mcore_tensors(d["t2p2"]), mcore_tensors(d["r22"]))

@@ -6,13 +6,12 @@ import re
 import subprocess
 import sys
 
+import megatron.core  # noqa: F401  (a hard dependency: imported, never skipped)
 import torch
 
 from checkpoint_tools.convert import hf_to_mcore
 from megatron_darl.channel.ports import free_port
 from tests.helpers import repo_env
-
-import megatron.core  # noqa: F401  (a hard dependency: imported, never skipped)
 
 
 def _run_ranks(pairs: list[tuple[str, str]], tp: int) -> str:

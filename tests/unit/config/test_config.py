@@ -1,8 +1,8 @@
 """Config loading: YAML + dotted overrides, errors that name the key, file and line."""
 
 import glob
-import re
 import os
+import re
 import subprocess
 import sys
 

@@ -24,7 +24,8 @@ def test_invalid_values_are_reported():
     assert "micro_batch_tokens" in fields(LearnerConfig(micro_batch_tokens=0).check())
     assert "sequence_parallel" in fields(ParallelConfig(tp=1, sequence_parallel=True).check())
     assert ParallelConfig(tp=2, sequence_parallel=True).check() == []
-    assert "recompute_modules" in fields(ModelConfig(hf_dir="x", recompute="selective", recompute_modules=["moe"]).check())
+    assert "recompute_modules" in fields(ModelConfig(hf_dir="x", recompute="selective",
+                                                     recompute_modules=["moe"]).check())
     assert "recompute_modules" in fields(ModelConfig(hf_dir="x", recompute="selective", recompute_modules=[]).check())
     assert "engine_memory_fraction" in fields(LearnerConfig(engine_memory_fraction=1.0).check())
     assert "gpu_memory_gib" in fields(LearnerConfig(gpu_memory_gib=0).check())

@@ -6,7 +6,6 @@ import argparse
 
 import pytest
 
-from megatron_darl.config import load_config
 from megatron_darl.channel.announcements import (
     EngineAnnouncement,
     announce,
@@ -15,6 +14,7 @@ from megatron_darl.channel.announcements import (
     read_restart_request,
     request_restart,
 )
+from megatron_darl.config import load_config
 from megatron_darl.engine.command import engine_specs
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 
 from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
 from megatron_darl.engine.sampling import _truncate
 from megatron_darl.types import SamplingParams
 from tests.helpers import engines
-
-import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 
 TINY = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=256, initializer_range=0.3)
@@ -53,7 +52,8 @@ def test_logprobs_equal_transformers_with_joins_and_leaves(tmp_path, arch, extra
     for i, t in enumerate(temps):  # different lengths: rows leave at different steps
         dec.add(Sequence(str(i), list(range(1 + i, 7 + 3 * i)), 6 + 2 * i,
                          SamplingParams(temperature=t, max_new_tokens=8 + 5 * i, ignore_eos=True, seed=i)))
-    late = {3: Sequence("late", [5, 9, 2], 3, SamplingParams(temperature=0.9, top_k=7, top_p=0.8, max_new_tokens=12, ignore_eos=True)),
+    late = {3: Sequence("late", [5, 9, 2], 3,
+                        SamplingParams(temperature=0.9, top_k=7, top_p=0.8, max_new_tokens=12, ignore_eos=True)),
             10: Sequence("later", [7], 1, SamplingParams(temperature=1.2, max_new_tokens=9, ignore_eos=True))}
     done = run_to_end(dec, late)
     assert sorted(s.rid for s in done) == ["0", "1", "2", "late", "later"]

@@ -16,6 +16,8 @@ import asyncio
 import subprocess
 
 import pytest
+import torch  # noqa: F401  (a hard dependency: imported, never skipped)
+import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 from aiohttp import web
 
 from megatron_darl.channel.ports import free_port
@@ -29,8 +31,6 @@ from tests.helpers import REPO, repo_env
 from tests.helpers.engines import save_tiny
 from tests.helpers.rollout_fakes import ScriptedPrompts
 
-import torch  # noqa: F401  (a hard dependency: imported, never skipped)
-import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 
 def recipe():
     return load_config(str(REPO / "configs" / "cpu_demo_darl.yaml")).rollout

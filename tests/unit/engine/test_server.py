@@ -12,12 +12,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 
 from megatron_darl.rollout.sglang_client import EngineHTTPError, SGLangClient
 from megatron_darl.types import GenerateRequest, SamplingParams, WeightVersion
 from tests.helpers.engines import running_engines, save_wide, teacher_forced
-
-import transformers  # noqa: F401  (a hard dependency: imported, never skipped)
 
 KEY = "s3cret"
 
@@ -56,7 +55,8 @@ def test_behavior_logprobs_equal_transformers(world):
 
 
 def test_concurrent_requests_batch_and_beat_sequential(world):
-    reqs = [request(f"c{i}", [3, i + 1, 7], temperature=1.0, max_new_tokens=48, ignore_eos=True, seed=100 + i) for i in range(16)]
+    reqs = [request(f"c{i}", [3, i + 1, 7], temperature=1.0, max_new_tokens=48, ignore_eos=True, seed=100 + i)
+            for i in range(16)]
 
     async def go():
         async with SGLangClient(world["plain"]) as client:
@@ -100,7 +100,8 @@ def test_pause_update_continue_gives_two_versions(world, mode):
             info = await client.amodel_info()  # whichever weights an earlier case left loaded
             old = Path(info["model_path"]).name
             new, version = ("v1" if old == "v0" else "v0"), int(info["weight_version"]) + 1
-            task = asyncio.create_task(client.agenerate(request("upd", prompt, max_new_tokens=n, ignore_eos=True, seed=5)))
+            task = asyncio.create_task(client.agenerate(request("upd", prompt,
+                                                                max_new_tokens=n, ignore_eos=True, seed=5)))
             k = await _await_progress(client, mode, task)
             await client.aupdate_weights(WeightVersion(version=version, kind="disk", location=str(world["root"] / new)))
             after = await client.amodel_info()
@@ -141,7 +142,8 @@ def test_bad_weights_give_400_naming_tensor_and_keep_version(world):
         async with SGLangClient(world["keyed"], api_key=KEY) as client:
             before = (await client.amodel_info())["weight_version"]
             with pytest.raises(EngineHTTPError) as err:
-                await client.aupdate_weights(WeightVersion(version=99, kind="shm", location=str(world["root"] / "wide")))
+                await client.aupdate_weights(WeightVersion(version=99, kind="shm",
+                                                           location=str(world["root"] / "wide")))
             resp = await client.agenerate(request("still", [1, 2], max_new_tokens=3, ignore_eos=True))
             return before, err.value, resp
 
@@ -200,7 +202,8 @@ def test_batched_input_health_info_and_invalid_json(world):
         async with SGLangClient(world["plain"]) as client:
             batch = await client.arequest("POST", "/generate", {
                 "input_ids": [[1, 2], [3]], "rid": ["b0", "b1"], "return_logprob": True,
-                "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 3, "ignore_eos": True}]})
+                "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True},
+                                    {"max_new_tokens": 3, "ignore_eos": True}]})
             healthy = await client.ahealth()
             info = await client.amodel_info()
             await client.aflush_cache()

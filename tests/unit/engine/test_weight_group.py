@@ -49,7 +49,8 @@ def sender(root, notice="notice.json") -> WeightSender:
 
 async def greedy(url: str, prompt: list[int]):
     async with SGLangClient(url) as c:
-        out = await c.agenerate(GenerateRequest(prompt, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5), "g"))
+        out = await c.agenerate(GenerateRequest(prompt,
+                                                SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5), "g"))
         info = await c.amodel_info()
     return out, info
 
@@ -217,7 +218,8 @@ def test_the_sender_ignores_a_request_left_by_an_earlier_attempt_and_answers_new
     from megatron_darl.channel.weight_transfer import transfer_paths
 
     req_path, res_path = transfer_paths(str(tmp_path / "notice.json"))
-    write_json_atomic(req_path, {"id": "old", "version": 3, "engines": [{"index": 0, "url": "http://x:1", "group": "g"}]})
+    write_json_atomic(req_path, {"id": "old", "version": 3,
+                                 "engines": [{"index": 0, "url": "http://x:1", "group": "g"}]})
     s = WeightSender(str(tmp_path / "notice.json"), "127.0.0.1", str(tmp_path / "fb"), ({}, []), poll_s=0.01)
     try:
         s.stage(5, [])

@@ -29,7 +29,8 @@ def test_paired_difference_detects_a_real_gain_only():
     after = np.maximum(before, (rng.random((500, 1)) < 0.2).astype(float))  # strictly better
     mean, lo, hi = paired_difference(ProblemScores(list(range(500)), before), ProblemScores(list(range(500)), after))
     assert mean == pytest.approx(after.mean() - before.mean()) and lo > 0
-    mean0, lo0, hi0 = paired_difference(ProblemScores(list(range(500)), before), ProblemScores(list(range(500)), before))
+    mean0, lo0, hi0 = paired_difference(ProblemScores(list(range(500)), before),
+                                        ProblemScores(list(range(500)), before))
     assert mean0 == 0 and lo0 == 0 == hi0
     with pytest.raises(ValueError, match="same problems"):
         paired_difference(ProblemScores([1], before[:1]), ProblemScores([2], before[:1]))

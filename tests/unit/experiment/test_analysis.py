@@ -155,7 +155,8 @@ def test_the_default_plan_covers_every_cell_once():
     size = SIZES["etas"]
     tune = tuning_specs(size)
     assert len(tune) == len(size.methods) * len(size.lr_grid) * len(size.tune_seeds)
-    assert {s.eta for s in tune if s.method != "sync"} == {size.tune_eta} and {s.eta for s in tune if s.method == "sync"} == {0}
+    assert ({s.eta for s in tune if s.method != "sync"} == {size.tune_eta}
+            and {s.eta for s in tune if s.method == "sync"} == {0})
     specs = main_specs(size, {m: Setting(5e-5) for m in size.methods})
     names = [s.name for s in specs]
     assert len(names) == len(set(names))

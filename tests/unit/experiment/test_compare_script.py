@@ -5,7 +5,8 @@ evaluations), and `--report-only` turns them into the outputs a user reads -- a 
 eta whose rows are the methods (sync, the two replay baselines, D-ARL), D-ARL's paired tests, the
 three PNG plots, `results.json` and the same JSON object as the last line of stdout -- reusing
 every run (nothing runs). The real runs behind such a folder are `test_compare_quick`'s (slow);
-this checks the script's assembly of them in a second (the quick size runs decoupled PPO and D-ARL only). A missing run is named, not invented.
+this checks the script's assembly of them in a second (the quick size runs decoupled PPO and
+D-ARL only). A missing run is named, not invented.
 What it is not: a check of the statistics (test_analysis, test_primary) or of which method wins."""
 
 from __future__ import annotations

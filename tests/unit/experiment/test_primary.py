@@ -95,7 +95,8 @@ def test_primary_tests_match_the_formulas_and_holm_covers_only_them():
     assert [(r["regime"], r["metric"]) for r in prim] == [(g, m) for g in ("gen", "stale") for m in Q.METRICS]
     acc = prim[0]
     a = {r.spec.seed: r.curve.accuracy[-1] for r in runs if r.spec.method == "darl" and r.spec.regime == "gen"}
-    b = {r.spec.seed: r.curve.accuracy[-1] for r in runs if r.spec.method == "decoupled_areal" and r.spec.regime == "gen"}
+    b = {r.spec.seed: r.curve.accuracy[-1] for r in runs
+         if r.spec.method == "decoupled_areal" and r.spec.regime == "gen"}
     d = np.array([a[s] - b[s] for s in range(5)])
     t = d.mean() / (d.std(ddof=1) / math.sqrt(5))
     assert acc["difference"] == pytest.approx(d.mean()) and acc["p"] == pytest.approx(_p_naive(t, 4), abs=1e-5)
@@ -121,7 +122,8 @@ def test_the_design_is_decided_before_the_runs_and_a_changed_one_is_refused():
     size = SIZES["budget"]
     doc = planned(size)
     d = doc["design"]
-    assert (d["baseline"], d["darl"], d["budget_samples"], d["seeds"]) == ("decoupled_areal", "darl", BUDGET, [0, 1, 2, 3, 4])
+    assert ((d["baseline"], d["darl"], d["budget_samples"], d["seeds"])
+            == ("decoupled_areal", "darl", BUDGET, [0, 1, 2, 3, 4]))
     assert d["test_split_disjoint"] is True and d["warm_start_selected_on"] == "none"  # a fixed step count
     stop = with_overrides(size, settings=(*size.settings, "demo.sft_target=0.25"))
     assert Q.design(stop)["warm_start_selected_on"] == "validation"

@@ -1,7 +1,7 @@
 """The published comparison (docs/results/results.json) against its own curves: every primary
 figure recomputed from the runs it lists, with naive code (numpy means, scipy's paired t-test),
 the per-regime tables' accuracy at the budget equal to the primary figures' means, and the design
-the issue asks for (5 seeds a cell, a disjoint test split, a warm start selected on nothing).
+it committed to (5 seeds a cell, a disjoint test split, a warm start selected on nothing).
 What it is not: a rerun of the experiment (`scripts/compare_async.py --size budget`)."""
 
 from __future__ import annotations

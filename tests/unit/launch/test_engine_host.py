@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from megatron_darl.channel.announcements import read_announcement, request_restart, stop_path
 from megatron_darl.channel.run_info import write_marker
@@ -21,9 +23,6 @@ from megatron_darl.config import load_config, save_resolved
 from megatron_darl.launch.engine_host import DIRECT, host_error_path, probe_path
 from megatron_darl.launch.session import make_run_info
 from tests.helpers import repo_env
-
-import torch
-import transformers
 
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False,
@@ -34,7 +33,8 @@ def _run(tmp_path, probe: bool = True, env: dict[str, str] | None = None):
     model = tmp_path / "model"
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(str(model))
-    cfg = load_config(None, [f"model.hf_dir={model}", "model.tokenizer=builtin:demo", f"train.run_dir={tmp_path / 'run'}",
+    cfg = load_config(None, [f"model.hf_dir={model}", "model.tokenizer=builtin:demo",
+                             f"train.run_dir={tmp_path / 'run'}",
                              "rollout.max_concurrent_per_engine=24", "train.seed=70", "launch.startup_timeout_s=120",
                              "rollout.weight_sync=disk"])
     info = make_run_info(cfg, "abcdef0123", "9.0", "127.0.0.1", 1)

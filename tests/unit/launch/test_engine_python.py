@@ -33,7 +33,8 @@ def _fake_python(tmp_path, version: str, **probe) -> str:
 
 
 def test_sglang_servers_use_their_own_environment_and_darl_engines_ours():
-    assert engine_python(_cfg("rollout.backend=sglang", "launch.engine_python=/opt/sgl/bin/python")) == "/opt/sgl/bin/python"
+    assert (engine_python(_cfg("rollout.backend=sglang", "launch.engine_python=/opt/sgl/bin/python"))
+            == "/opt/sgl/bin/python")
     assert engine_python(_cfg("rollout.backend=sglang", "launch.python=/env/bin/python")) == "/env/bin/python"
     assert engine_python(_cfg("launch.engine_python=/opt/sgl/bin/python")) == sys.executable  # darl-engine
     assert engine_python(_cfg("launch.python=/env/bin/python", "launch.engine_python=/x")) == "/env/bin/python"

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import learner_worker as W, repo_env
+from tests.helpers import learner_worker as W
+from tests.helpers import repo_env
 
 
 def test_darl_logprobs_tp2_matches_transformers(tmp_path):
@@ -19,7 +20,8 @@ def test_darl_logprobs_tp2_matches_transformers(tmp_path):
     data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
     env = repo_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "megatron_darl.launch.logprobs_command", "--model", hf, "--data", str(data),
+    proc = subprocess.run([sys.executable, "-m", "megatron_darl.launch.logprobs_command",
+                           "--model", hf, "--data", str(data),
                            "--out", str(out), "--tp", "2", "--temperature", "0.8"],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

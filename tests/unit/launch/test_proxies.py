@@ -18,7 +18,7 @@ from tests.helpers.network import DEAD_PROXY, PROXY_KEYS
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):  # http.server's name
         body = b"ok" if self.path in ("/health_generate", "/model_info") else b""
         self.send_response(200 if body else 404)
         self.send_header("Content-Length", str(len(body)))

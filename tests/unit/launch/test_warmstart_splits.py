@@ -1,4 +1,4 @@
-"""An honest step 0 (issue 30, item 2): with `data.partition: hash` the warm start's target stop
+"""An honest step 0: with `data.partition: hash` the warm start's target stop
 reads the VALIDATION split, and every check also scores the TEST split (the one the curves are
 scored on), recorded so that a report can show step 0 beside the checks before it; the record
 says what the stop selected on ("none", "validation", "test"). Real tiny model on one-digit
@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from megatron_darl.config import load_config  # noqa: E402
-from megatron_darl.data.partition import split_of  # noqa: E402
-from megatron_darl.data.tokenizers import load_tokenizer, resolve_tokenizer_dir  # noqa: E402
-from megatron_darl.launch import warmstart  # noqa: E402
+from megatron_darl.config import load_config
+from megatron_darl.data.partition import split_of
+from megatron_darl.data.tokenizers import load_tokenizer, resolve_tokenizer_dir
+from megatron_darl.launch import warmstart
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "cpu_demo_darl.yaml")
 SPLIT = ["data.dataset_kwargs.min_digits=1", "data.dataset_kwargs.max_digits=1", "data.partition=hash",
@@ -68,4 +68,5 @@ def test_the_partition_keys_the_cache_only_when_set(tmp_path):
     ignores the fractions); with a partition, the fractions make another warm start."""
     fp = lambda *o: warmstart._fingerprint(load_config(DEMO, [f"train.run_dir={tmp_path}", *o]), "tok")  # noqa: E731
     assert fp("data.test_frac=0.2") == fp()
-    assert fp("data.partition=hash") != fp() and fp("data.partition=hash", "data.test_frac=0.2") != fp("data.partition=hash")
+    assert (fp("data.partition=hash") != fp()
+            and fp("data.partition=hash", "data.test_frac=0.2") != fp("data.partition=hash"))

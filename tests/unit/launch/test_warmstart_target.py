@@ -1,4 +1,4 @@
-"""The demo's warm start stops on held-out accuracy, not on a step count (issue 19, item 1).
+"""The demo's warm start stops on held-out accuracy, not on a step count.
 
 A fixed number of supervised steps landed the demo's warm start anywhere between 15% and 26%
 held-out accuracy depending on the machine's float rounding (thread count); with
@@ -18,7 +18,6 @@ import os
 from dataclasses import replace
 
 import pytest
-
 from transformers import AutoModelForCausalLM
 
 from megatron_darl.config import ConfigError, load_config

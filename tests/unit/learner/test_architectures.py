@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import learner_worker as W, smollm2
+from tests.helpers import learner_worker as W
+from tests.helpers import smollm2
 
 TP = 3
 ENGLISH = ["The cat sat on the mat and looked out of the window at the rain.",

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_darl.channel.ports import free_port
-from tests.helpers import learner_worker as W, repo_env
+from tests.helpers import learner_worker as W
+from tests.helpers import repo_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

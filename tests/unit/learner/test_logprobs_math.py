@@ -22,7 +22,8 @@ def _inputs(seed: int = 0):
     logits = torch.randn(S, B, PADDED, generator=g) * 3  # Megatron's [s, b, v] ...
     logits = logits.transpose(0, 1)  # ... handed over transposed (non-contiguous), as GPTModel does
     tokens = torch.randint(0, VOCAB, (B, S), generator=g)
-    g_lp, g_ent = torch.randn(B, S, generator=g, dtype=torch.float64), torch.randn(B, S, generator=g, dtype=torch.float64)
+    g_lp, g_ent = (torch.randn(B, S, generator=g, dtype=torch.float64),
+                   torch.randn(B, S, generator=g, dtype=torch.float64))
     return logits, tokens, g_lp, g_ent
 
 

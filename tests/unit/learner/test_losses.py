@@ -22,7 +22,8 @@ def _split_pmis(kw):
 def _setup(policy: str, **kw):
     batch = W.make_batch()
     rng = np.random.RandomState(1)
-    batch.prox_logprobs = (batch.behav_logprobs + 0.2 * rng.randn(*batch.tokens.shape) * batch.loss_mask).astype(np.float32)
+    batch.prox_logprobs = (batch.behav_logprobs
+                           + 0.2 * rng.randn(*batch.tokens.shape) * batch.loss_mask).astype(np.float32)
     algo = AlgoConfig(policy_loss=policy, **kw)
     logp = torch.tensor(batch.prox_logprobs + 0.1 * rng.randn(*batch.tokens.shape), dtype=torch.float32)
     return batch, algo, logp

@@ -62,7 +62,8 @@ def test_each_family_gets_its_own_attention(hf, qk_norm, qkv_bias):
 
     cfg = transformer_config(hf, ModelConfig(hf_dir="x"), ParallelConfig(), on_gpu=False)
     assert cfg.qk_layernorm == qk_norm and cfg.add_qkv_bias == qkv_bias and not cfg.add_bias_linear
-    assert _submodule_names(layer_spec("local", architecture(hf))) == ({"q_layernorm", "k_layernorm"} if qk_norm else set())
+    assert (_submodule_names(layer_spec("local", architecture(hf)))
+            == ({"q_layernorm", "k_layernorm"} if qk_norm else set()))
 
 
 def test_unsupported_variants_are_refused_with_the_field_named():
@@ -79,7 +80,8 @@ def test_recompute_and_sequence_parallel_settings():
     sel = transformer_config(QWEN3, ModelConfig(hf_dir="x", recompute="selective", recompute_modules=["mlp"]),
                              ParallelConfig(), on_gpu=False)
     assert sel.recompute_granularity == "selective" and sel.recompute_modules == ["mlp"]
-    assert transformer_config(QWEN3, ModelConfig(hf_dir="x"), ParallelConfig(), on_gpu=False).recompute_granularity is None
+    assert transformer_config(QWEN3, ModelConfig(hf_dir="x"), ParallelConfig(),
+                              on_gpu=False).recompute_granularity is None
     # megatron-core's local spec refuses sequence parallel (torch norms): named before any model is built
     with pytest.raises(RuntimeError, match="parallel.sequence_parallel"):
         resolve_spec(ModelConfig(hf_dir="x"), on_gpu=False, par=ParallelConfig(tp=2, sequence_parallel=True))

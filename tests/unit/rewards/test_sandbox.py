@@ -277,7 +277,8 @@ def test_userns_files_of_the_user_are_out_of_reach(userns):
     targets = [secret, folder, str(REPO / "setup.py"), os.path.expanduser("~")]
     program = ("import os\n"
                f"for path in {targets!r}:\n"
-               "    try:\n        print('READ', path, open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
+               "    try:\n"
+               "        print('READ', path, open(path).read() if os.path.isfile(path) else os.listdir(path))\n"
                "    except OSError as e:\n        print('refused', path, type(e).__name__)\n")
     try:
         result = userns.run(program, "", LIMITS)

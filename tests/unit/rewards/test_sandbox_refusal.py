@@ -1,11 +1,11 @@
-"""Issue 23: where the sandbox cannot hold its guarantees, it refuses, saying why; never scores 0 silently.
+"""Where the sandbox cannot hold its guarantees, it refuses, saying why; never scores 0 silently.
 
 Before, a machine that refused namespaces (a container without CAP_SYS_ADMIN, Docker's default)
 ran every program under the audit-hook fallback, which cannot stop a subprocess, and said
 nothing. Now the launcher does not run the program without its namespaces (SandboxRefused: a
 grader error the pool logs, not a score of 0), and a run whose data are code tasks stops before
 it starts, naming the reason. The refusal is reproduced for real: as root, the child processes
-drop CAP_SYS_ADMIN (`setpriv`, as Docker does); as an ordinary user (issue 33: the user path
+drop CAP_SYS_ADMIN (`setpriv`, as Docker does); as an ordinary user (the user path
 needs user namespaces), they run where no user namespace can be made, and the message names
 every switch that enables them.
 """

@@ -1,4 +1,4 @@
-"""Issue 33: the sandbox's tests pass as an ordinary user, also in a test pass that runs as root.
+"""The sandbox's tests pass as an ordinary user, also in a test pass that runs as root.
 
 Cluster jobs run as the submitting user, never root. The containment tests run along the user
 path ("userns" in their ids) natively where pytest runs as a user (.ci/restricted_pass nonroot);

@@ -33,7 +33,8 @@ def sglang_answer(ids, version="3", reason=None, **meta):
 
 
 def test_generate_body_has_sglang_fields():
-    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=7, stop_token_ids=[2], ignore_eos=True, seed=11)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=7, stop_token_ids=[2], ignore_eos=True,
+                        seed=11)
     body = rq.generate_body(GenerateRequest(input_ids=[5, 6], sampling=sp, rid="x"))
     assert body["input_ids"] == [5, 6] and body["rid"] == "x" and body["return_logprob"] is True
     assert body["sampling_params"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
@@ -62,11 +63,13 @@ def test_per_token_versions_and_finish_reasons():
 @pytest.mark.parametrize("mutate,field", [
     (lambda a: a["meta_info"].pop("output_token_logprobs"), "output_token_logprobs"),
     (lambda a: a["meta_info"]["output_token_logprobs"].__setitem__(0, [-1.0, 99, None]), "output_token_logprobs"),
-    (lambda a: a["meta_info"]["output_token_logprobs"].__setitem__(1, [float("nan"), 2, None]), "output_token_logprobs"),
+    (lambda a: a["meta_info"]["output_token_logprobs"].__setitem__(1, [float("nan"), 2, None]),
+     "output_token_logprobs"),
     (lambda a: a["meta_info"].__setitem__("weight_versions", [{"version": "1", "start": 0, "end": 1}]),
      "weight_versions cover 1 tokens"),
     (lambda a: a["meta_info"].__setitem__("weight_versions", [{"version": "1", "start": 0, "end": 1},
-                                                            {"version": "2", "start": 0, "end": 2}]), "weight_versions"),
+                                                            {"version": "2", "start": 0, "end": 2}]),
+     "weight_versions"),
     (lambda a: a["meta_info"].__setitem__("finish_reason", {"type": "weird"}), "finish_reason"),
     (lambda a: a.pop("output_ids"), "output_ids"),
 ])

@@ -14,6 +14,9 @@ import time
 import uuid
 
 import pytest
+import reasoning_gym  # noqa: F401  (a hard dependency: imported, never skipped)
+import torch
+import transformers
 
 from megatron_darl.channel.json_files import read_json
 from megatron_darl.channel.shm_ring import ShmRing
@@ -21,10 +24,6 @@ from megatron_darl.channel.weight_notice import WeightNotice, publish_notice, re
 from megatron_darl.rollout.manager_process import EmbeddedEngineRestarter
 from megatron_darl.types import WeightVersion, group_trajectories
 from tests.helpers import repo_env
-
-import torch
-import transformers
-import reasoning_gym  # noqa: F401  (a hard dependency: imported, never skipped)
 
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, max_position_embeddings=1024, tie_word_embeddings=False,

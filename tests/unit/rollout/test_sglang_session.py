@@ -10,7 +10,7 @@ in or out of the session fails a test; the client's begin/end bodies fit the rel
 and the learner's `WeightSender`, run against engines that answer by the release's rules (its
 process groups and broadcasts replaced), opens and closes a session around every version on
 every engine, also when a join or a bucket fails, and recovers an engine whose session a dead
-learner left open. The sender before issue 31 never opened one: every engine refused its first
+learner left open. An earlier sender never opened one: every engine refused its first
 bucket.
 """
 
@@ -56,7 +56,8 @@ def test_the_parser_sees_a_release_that_drops_or_adds_a_guard(release):
     dropped = src[:body] + "if False:" + src[body + len("if self._session is None:"):]
     assert "update_weights_from_distributed" not in parse_session_rules(dropped).refused_without
     disk = src.index("def update_weights_from_disk(")
-    doc_end = src.index('"""In-place update of the weights from disk."""', disk) + len('"""In-place update of the weights from disk."""')
+    doc_end = (src.index('"""In-place update of the weights from disk."""', disk)
+               + len('"""In-place update of the weights from disk."""'))
     guarded = (src[:doc_end] + '\n        if self._session is None:\n            return UpdateWeightFromDiskReqOutput('
                'success=False, message="needs a session")' + src[doc_end:])
     assert parse_session_rules(guarded).refused_without["update_weights_from_disk"] == "needs a session"
@@ -202,9 +203,9 @@ def test_the_standin_holds_the_release_session_and_serves_a_half_version_as_sgla
     manager must never let happen: tests/unit/rollout/test_manager_distributed.py)."""
     from safetensors.torch import load_file
 
+    from megatron_darl.types import GenerateRequest, SamplingParams
     from tests.helpers.engines import asend_first_bucket_only, asession_answers, running_standin, save_wide
     from tests.helpers.sglang_standin import served_calls
-    from megatron_darl.types import GenerateRequest, SamplingParams
 
     save_wide(tmp_path / "a", seed=1)
     save_wide(tmp_path / "b", seed=2)

@@ -42,9 +42,10 @@ def trainer(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_step_that_gets_no_data_stops_naming_the_stall(trainer):
-    write_status(trainer.publisher.status_path, RolloutStatus(version=3, groups_written=12, groups_filtered=40, metrics={
-        "rollout/engines_up": 1.0, "rollout/inflight_groups": 2.0, "rollout/groups_written": 12.0,
-        "rollout/filtered_groups": 40.0, "rollout/groups_dropped": 0.0, "rollout/gate_capacity": 0.0}))
+    write_status(trainer.publisher.status_path,
+                 RolloutStatus(version=3, groups_written=12, groups_filtered=40, metrics={
+                     "rollout/engines_up": 1.0, "rollout/inflight_groups": 2.0, "rollout/groups_written": 12.0,
+                     "rollout/filtered_groups": 40.0, "rollout/groups_dropped": 0.0, "rollout/gate_capacity": 0.0}))
     t0 = time.monotonic()
     with pytest.raises(DataStalled) as info:
         _wait_rollouts(trainer, 3)
