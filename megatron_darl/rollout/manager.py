@@ -11,7 +11,7 @@ dropped (both counted). The process entry (`python -m megatron_darl.rollout ...`
 adapters to the real ring buffer and engines are in `manager_process.py`.
 What it is not: the engines' dispatch, failures, health and weight loading (`engine_pool.py`), an
 engine client, a reward grader, the gate's formula or the ring buffer; it drives them through the
-small protocols below (`workflow.RewardPoolScorer` adapts the reward pool).
+small protocols of `api.py` (`workflow.RewardPoolScorer` adapts the reward pool).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import logging
 import math
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from megatron_darl.channel.json_files import write_json_atomic
 from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, weight_version_from_json, write_status
 from megatron_darl.config.rollout import RolloutConfig
-from megatron_darl.rollout.api import RolloutEngine
+from megatron_darl.rollout.api import AdmissionGate, PromptProvider, RolloutEngine, TrajectorySink
 from megatron_darl.rollout.engine_pool import EnginePool, EngineRestarter, RequestRefused, Signal
 from megatron_darl.rollout.workflow import Episode, RolloutWorkflow, SampleState
-from megatron_darl.types import SamplingParams, Trajectory, WeightVersion
+from megatron_darl.types import SamplingParams, WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -43,35 +43,6 @@ COUNTERS = (
     "tokens_generated", "reward_sum", "engine_failures", "engine_restarts", "engine_recoveries",
     "weight_updates", "weight_update_s_total", "weight_sync_fallbacks", "requests_refused",
 )
-
-
-class TrajectorySink(Protocol):
-    """Where finished groups go (the ring buffer); a group is written whole or raises."""
-
-    async def aput_group(self, trajectories: list[Trajectory]) -> None: ...
-
-
-class PromptProvider(Protocol):
-    """`data.api.PromptLoader` has this shape: draws in a resumable order."""
-
-    def next_batch(self, n: int) -> list[Any]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class AdmissionGate(Protocol):
-    """AReaL's staleness bound counted in groups (`rollout/staleness.py`, `StalenessGate`, has this
-    shape): `try_acquire` starts one group if allowed, `release` ends it (kept or not)."""
-
-    def capacity(self) -> int: ...
-
-    def try_acquire(self) -> bool: ...
-
-    def release(self, accepted: bool) -> None: ...
-
-    def on_version(self, version: int, consumed: int | None = None, batch_size: int | None = None) -> None: ...
 
 
 class RolloutManager:
