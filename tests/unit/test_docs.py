@@ -10,7 +10,7 @@ design, ARCHITECTURE), read as text:
 - every `#anchor` of those links names a heading of its target (GitHub's slugs).
 The checker's own functions are tried on small broken inputs too, so that a pattern that stopped
 matching cannot pass silently.
-What it is not: a check of external (http) links, of prose, or of docs beyond those three files.
+What it is not: a check of external (http) links, of prose, or of docs beyond those five files.
 """
 
 from __future__ import annotations
