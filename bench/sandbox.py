@@ -1,15 +1,18 @@
 """Benchmark: sandboxed programs per second through the reward pool, as root, as a user, in bwrap.
 
 What it is: HumanEval's 164 canonical solutions graded through a `RewardPool` (`--workers`
-workers, the run's default sandbox limits), each one sandboxed program, along three paths:
+workers, the run's default sandbox limits), each one sandboxed program (which serves the calls of
+the test that runs outside it), along three paths:
   root   the package's root path (this script must run as root)
   user   the package's user path (sandbox_userns.py); as root, run in a child of this script as
          an unprivileged uid (tests/helpers/as_user.py), as a cluster job would
-  bwrap  bubblewrap, where installed, as the same user: the same program, interpreter, flags
-         and limits (`prlimit` inside the sandbox, after its nested user namespace), the same
-         kind of root (system folders and the interpreter, read-only; /tmp read-only with a
-         writable /tmp/scratch), started by `bwrap` instead of sandbox_launcher.py. The measured
-         alternative, not what the package uses (docs/reliability.md says why)
+  bwrap  bubblewrap, where installed, as the same user: one program per problem (the completion
+         with its test inside, as the package graded before its tests moved out), the same
+         interpreter, flags and limits (`prlimit` inside the sandbox, after its nested user
+         namespace), the same kind of root (system folders and the interpreter, read-only; /tmp
+         read-only with a writable /tmp/scratch), started by `bwrap` instead of
+         sandbox_launcher.py. The measured alternative, not what the package uses
+         (docs/reliability.md says why)
 Pool workers are started and warm before the clock starts. Paths alternate within each of
 `--rounds` rounds; per path the median programs per second counts. Prints one line per round,
 then the medians side by side with user/root and bwrap/root (of the medians, and the median of
@@ -73,13 +76,21 @@ def measure(path: str, n: int, workers: int) -> float:
 
 
 def bwrap_reward(item: RewardInput) -> float:
-    """A pool worker's reward for `item`: code_grader, with bwrap in place of run_sandboxed."""
+    """A pool worker's reward for `item` through bwrap: one program per problem, the completion
+    and its test together with a nonce, as the package graded before its tests moved out of the
+    sandbox (the package now calls into one sandboxed program per problem: sandbox_calls.py)."""
+    import secrets
+
     from megatron_darl.rewards import code_grader
 
-    code_grader.run_sandboxed = bwrap_run
     limits = code_grader.limits_from_config(RewardConfig(**POOL))
-    score, _ = code_grader.grade_code(item.response, item.answer, limits)
-    return score
+    problem = item.answer
+    nonce = secrets.token_hex(16)
+    solution = code_grader.humaneval_program(code_grader.extract_code(item.response), problem)
+    program = (f"space = {{'__name__': 'solution'}}\nexec({solution + chr(10) + problem['test']!r}, space)\n"
+               f"space['check'](space[{problem['entry_point']!r}])\nprint({nonce!r})\n")
+    result = bwrap_run(program, "", limits)
+    return 1.0 if result.passed and nonce in result.stdout.split() else 0.0
 
 
 def bwrap_argv(limits, python: str, program_fd: int) -> list[str]:

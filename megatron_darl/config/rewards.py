@@ -18,7 +18,9 @@ class RewardConfig:
     fn: str | None = None  # user reward function "pkg.module:function" for kind "custom"
     code_cpu_s: int = 10  # sandbox: CPU seconds per program run (RLIMIT_CPU)
     code_wall_s: float = 15.0  # sandbox: wall seconds per program run
-    code_memory_mb: int = 1024  # sandbox: address space per process, MiB (RLIMIT_AS)
+    # sandbox: MiB of address space per process (RLIMIT_AS) and of memory for the program as a whole
+    # (a memory cgroup, or where none can be made, the resident memory of its processes together)
+    code_memory_mb: int = 1024
     code_max_procs: int = 32  # sandbox: processes of the sandbox uid (RLIMIT_NPROC)
     code_max_file_mb: int = 16  # sandbox: largest file written, MiB (RLIMIT_FSIZE)
 

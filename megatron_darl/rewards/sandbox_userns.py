@@ -1,22 +1,25 @@
-"""The code sandbox's steps for an ordinary user: user namespaces where the root path drops to a uid.
+"""The code sandbox's steps for an ordinary user, and the new root both paths share.
 
 What it is: the isolation `sandbox_launcher.py` sets up when it runs as an ordinary user (spec
-"mode": "user"); stdlib only, imported by the launcher from its own folder (it runs as
-`python -I -S`, without the package). In order:
+"mode": "user"), and the parts the root path reuses (build_root, enter_root,
+cap_user_namespaces, join_session_keyring); stdlib only, imported by the launcher from its own
+folder (it runs as `python -I -S`, without the package). In order, for a user:
   check_kernel()        Linux 5.15+ (older kernels count RLIMIT_NPROC per user, machine-wide)
-  enter(libc)           the launcher unshares user, mount, network and PID namespaces and maps
-                        itself to root of the new user namespace (ns1): capabilities over its
+  enter(libc)           the launcher unshares user, mount, network, PID and IPC namespaces and
+                        maps itself to root of the new user namespace (ns1): capabilities over its
                         own mounts and network, nothing outside them
-  build_root(..)        a new root on a tmpfs, built in ns1: read-only binds of /usr, /bin, /sbin,
-                        /lib*, /etc and the interpreter's installs (sys.prefix, sys.base_prefix),
-                        /dev with null, zero, random and urandom only, /proc, an empty read-only
-                        /tmp and the writable scratch folder /tmp/scratch on a tmpfs of its own
+  build_root(..)        a new root on a tmpfs, built in ns1: read-only nosuid binds of /usr, /bin,
+                        /sbin, /lib*, /etc and the interpreter's installs (sys.prefix,
+                        sys.base_prefix) with benchmark data hidden (spec "hide"), /dev with null,
+                        zero, random and urandom only, /proc, an empty read-only /tmp and the
+                        writable scratch folder /tmp/scratch on a tmpfs of its own
   enter_root(..)        in PID 1 of the new PID namespace: its own /proc (only the sandbox's
-                        processes), pivot_root into the new root with the old one detached, nested
-                        user namespaces capped at the one `drop` makes, PID 1 made non-dumpable
+                        processes), pivot_root into the new root with the old one detached, PID 1
+                        made non-dumpable; then cap_user_namespaces(1): the one `drop` makes
   drop(libc)            in the program's process: a nested user namespace (ns2) where the user is
-                        uid 1000; execve then clears every capability, and ns1's mounts are locked
-                        read-only (a less privileged namespace cannot clear the flag)
+                        uid 1000, no new privileges, a fresh session keyring; execve then clears
+                        every capability, and ns1's mounts are locked read-only (a less privileged
+                        namespace cannot clear the flag)
 What the program can read: those binds, with the user's own permissions (its kernel uid is the
 user's); not the user's home, the run's data, the host's /tmp, /run (sockets), /proc of the host.
 Its processes (a per-namespace RLIMIT_NPROC counts them) die with PID 1, which replaces the root
@@ -31,17 +34,21 @@ import os
 import resource
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+CLONE_NEWIPC = 0x08000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH, AT_FDCWD, AT_RECURSIVE = 2, -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 1, 2, 4, 8
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (Linux 5.12+)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203,
                   "ppc64": 203, "s390x": 217, "loongarch64": 41}
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "arm64": 219, "riscv64": 219, "ppc64le": 250, "ppc64": 250,
+              "s390x": 280, "loongarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
 PROGRAM_UID = 1000  # the program's uid in its own user namespace (ns2)
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 DEVICES = ("null", "zero", "random", "urandom")
-ISOLATION = ["user", "net", "mount", "pid"]
+ISOLATION = ["user", "net", "mount", "pid", "ipc"]
 MIN_KERNEL = (5, 15)
 
 
@@ -54,7 +61,7 @@ class _MountAttr(ctypes.Structure):
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
-def _why(call: str) -> str:
+def why(call: str) -> str:
     err = ctypes.get_errno()
     return f"{call}: {os.strerror(err)} ({errno.errorcode.get(err, err)})"
 
@@ -96,11 +103,11 @@ def _check_process_limit_binds() -> None:
 
 
 def enter(libc) -> None:
-    """unshare(user, mount, network, PID) and become root of the new user namespace (ns1)."""
+    """unshare(user, mount, network, PID, IPC) and become root of the new user namespace (ns1)."""
     uid, gid = os.geteuid(), os.getegid()
     _check_process_limit_binds()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) != 0:
-        raise Refused(_why("unshare(user namespace)"))
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC) != 0:
+        raise Refused(why("unshare(user namespace)"))
     _write("/proc/self/setgroups", "deny")  # needed to map a group without CAP_SETGID outside
     _write("/proc/self/uid_map", f"0 {uid} 1")
     _write("/proc/self/gid_map", f"0 {gid} 1")
@@ -109,7 +116,7 @@ def enter(libc) -> None:
 def _mount(libc, source, target, fstype, flags, data=None) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        raise Refused(_why(f"mount({source or fstype} on {target})"))
+        raise Refused(why(f"mount({source or fstype} on {target})"))
 
 
 def _set_attr(libc, target: str, attrs: int, recursive: bool = True) -> None:
@@ -118,7 +125,7 @@ def _set_attr(libc, target: str, attrs: int, recursive: bool = True) -> None:
     flags = AT_RECURSIVE if recursive else 0
     if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), flags, ctypes.byref(attr),
                     ctypes.sizeof(attr)) != 0:
-        raise Refused(_why(f"mount_setattr({target})"))
+        raise Refused(why(f"mount_setattr({target})"))
 
 
 def _covered(path: str, bound: list[str]) -> bool:
@@ -156,6 +163,9 @@ def build_root(libc, spec: dict, scratch: str) -> str:
         _mount(libc, path, root + path, None, MS_BIND | MS_REC)
         _set_attr(libc, root + path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         bound.append(path)
+    for path in spec.get("hide", ()):  # benchmark data in the interpreter's installs: an empty folder
+        if _covered(path, bound) and os.path.isdir(root + path):
+            _mount(libc, "tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=555")
     _devices(libc, root)
     os.mkdir(root + "/proc", 0o555)
     os.makedirs(root + scratch, 0o755)
@@ -179,8 +189,7 @@ def _devices(libc, root: str) -> None:
 
 
 def enter_root(libc, root: str) -> None:
-    """In PID 1 of the new PID namespace: its /proc, pivot_root, and the cap on nested user
-    namespaces (ns1 may hold one: the program's ns2; the program cannot make another)."""
+    """In PID 1 of the new PID namespace: its /proc and pivot_root into the new root."""
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program (same kernel uid) may not ptrace us
     _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     machine = os.uname().machine
@@ -189,11 +198,27 @@ def enter_root(libc, root: str) -> None:
         raise Refused(f"pivot_root: no syscall number known for {machine}")
     os.chdir(root)
     if libc.syscall(number, b".", b".") != 0:  # the old root ends up stacked on the new one
-        raise Refused(_why("pivot_root"))
+        raise Refused(why("pivot_root"))
     if libc.umount2(b".", MNT_DETACH) != 0:
-        raise Refused(_why("umount(old root)"))
+        raise Refused(why("umount(old root)"))
     os.chdir("/")
-    _write("/proc/sys/user/max_user_namespaces", "1")
+
+
+def cap_user_namespaces(count: int) -> None:
+    """In PID 1, as root of its own user namespace (never the machine's): at most `count` user
+    namespaces below it (the user path: the one drop() makes; root: none), whatever the program
+    tries; the sysctl counts per user namespace, for it and every one below."""
+    _write("/proc/sys/user/max_user_namespaces", str(count))
+
+
+def join_session_keyring(libc) -> None:
+    """A fresh, empty session keyring: none of the caller's keys (Kerberos or AFS tokens, keys
+    linked from the user keyring) stay in reach through the inherited one."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        raise OSError(0, f"keyctl: no syscall number known for {os.uname().machine}")
+    if libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() != errno.ENOSYS:
+        raise OSError(ctypes.get_errno(), why("keyctl(KEYCTL_JOIN_SESSION_KEYRING)"))  # ENOSYS: no keys at all
 
 
 def drop(libc) -> None:
@@ -203,8 +228,9 @@ def drop(libc) -> None:
     # write; execve would reset it anyway
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), _why("unshare(nested user namespace)"))
+        raise OSError(ctypes.get_errno(), why("unshare(nested user namespace)"))
     _write("/proc/self/uid_map", f"{PROGRAM_UID} 0 1")
     _write("/proc/self/gid_map", f"{PROGRAM_UID} 0 1")
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), _why("prctl(PR_SET_NO_NEW_PRIVS)"))
+        raise OSError(ctypes.get_errno(), why("prctl(PR_SET_NO_NEW_PRIVS)"))
+    join_session_keyring(libc)

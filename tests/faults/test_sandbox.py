@@ -106,7 +106,7 @@ def test_child_of_sandboxed_code_cannot_write_or_read_host_tmp_with_a_tmp_virtua
     assert f"prefix {os.path.dirname(os.path.dirname(tmp_venv))}" in result["stdout"]  # it ran in the venv
     assert "write refused" in result["stdout"] and "read refused" in result["stdout"], result
     assert "host data" not in result["stdout"]
-    assert set(result["isolation"]) == {"net", "mount", "pid"} | ({"user"} if sandbox.name == "userns" else set())
+    assert set(result["isolation"]) == {"user", "net", "mount", "pid", "ipc"}
 
 
 @pytest.mark.timeout(900)

@@ -140,7 +140,7 @@ def test_humaneval_wrong_and_hacking_solutions_fail(humaneval):
     payload = _he_payload(humaneval["HumanEval/53"])
     assert grade_code("    return x - y\n", payload, LIMITS)[0] == 0.0
     score, detail = grade_code("    import sys; sys.exit(0)\n", payload, LIMITS)
-    assert score == 0.0 and "exited before" in detail
+    assert score == 0.0 and "the program exited during the call" in detail
     assert grade_code("    import os; os._exit(0)\n", payload, LIMITS)[0] == 0.0
     fast = SandboxLimits(cpu_s=1, wall_s=5, memory_mb=512, max_procs=8, max_file_mb=4)
     assert grade_code("    while True: pass\n", payload, fast)[0] == 0.0

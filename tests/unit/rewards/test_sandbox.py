@@ -1,7 +1,7 @@
 """Sandbox containment: each hostile program is stopped and reported as a failure.
 
 Every test runs along each path of the sandbox (tests/helpers/sandbox.py's SandboxMode): as root
-with namespaces (network, mount, PID) and a dropped uid, as root with the audit-hook fallback
+with namespaces (user, network, mount, PID, IPC), the new root and a dropped uid, as root with the audit-hook fallback
 (`isolate=False`), and as an ordinary user ("userns": user namespaces, a new read-only root, a
 nested unprivileged uid). A path this process cannot take skips saying so: as root the userns
 tests run as an unprivileged uid in test_sandbox_user.py, as a user the root paths have
@@ -203,7 +203,9 @@ def test_parent_environment_is_not_readable(sandbox, monkeypatch):
     assert result.stdout.count("refused") == 2
 
 
-EXPECTED_ISOLATION = {"namespaces": {"net", "mount", "pid"}, "userns": {"user", "net", "mount", "pid"}}
+# both paths: the root path's PID 1 is in a user namespace of its own (no further one inside)
+ALL_NAMESPACES = {"user", "net", "mount", "pid", "ipc"}
+EXPECTED_ISOLATION = {"namespaces": ALL_NAMESPACES, "userns": ALL_NAMESPACES}
 
 
 def test_namespaces_used_where_the_machine_allows(isolated):

@@ -69,7 +69,7 @@ def test_without_namespaces_the_program_does_not_run_and_a_code_run_is_refused(t
     assert not out["ran"], "the program ran without namespaces (the fallback cannot stop a subprocess)"
     assert out["status"] == "refused" and "unshare(net namespace): Operation not permitted" in out["stderr"]
     assert out["graded"]["status"] == "error" and "SandboxRefused" in out["graded"]["detail"]  # the pool logs it
-    assert "needs network, mount and PID namespaces" in out["problem"] and "SYS_ADMIN" in out["problem"]
+    assert "needs network, mount, PID, IPC and user namespaces" in out["problem"] and "SYS_ADMIN" in out["problem"]
     assert any(e.startswith("data.source: code tasks, but the code sandbox cannot run") for e in out["preflight"])
     assert out["procedural"] == []  # a run without code tasks does not need the sandbox
 
