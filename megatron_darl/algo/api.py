@@ -39,17 +39,22 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | pmis_batch_constants(prox, behav, mask, versions, ...) | beta, counts, metrics | once per batch |
 | pmis_behavior_weights(prox, behav, mask, versions, ...) | [B,T], metrics | rho of darl_policy_loss |
 | combine_versions(objective, mask, versions, beta, counts) | loss, metrics | -sum beta_k L_k |
-| darl_policy_loss(logp, prox, behav, adv, mask, versions, ...) | loss, metrics | D-ARL policy loss |
+| darl_policy_loss(logp, prox, behav, adv, mask, versions, ..., anchor) | loss, metrics | D-ARL policy loss |
+| anchored_objective(logp, anchor_logp, adv, mask, ...) | [B,T], flags | clip against b or the mixture |
+| anchor_log_prob(anchor, behav, mask, ...), mixture_log_prob(by_version, counts) | [B,T] | the anchor's log |
+| behavior_clip_fraction(logp, behav, adv, mask, ...) | 0-dim | where a clip at b acts |
 | version_token_counts(versions, mask) | dict | N_k (versions [B] per sequence, [B,T] per token) |
 | effective_sample_size(weights, mask) | 0-dim | (sum w)^2 / sum w^2 |
 | diagnostics(prox, behav, mask, versions, ...) | dict | ESS, rho stats, KL, staleness |
+| drift_diagnostics(prox, behav, mask, versions) | dict | KL, ESS of exp(p - b): losses without weights |
 | kl_estimates, staleness_histogram, masked_quantile | dict / 0-dim | diagnostics parts |
 """
 
 import sys
 
 from .advantages import grpo_advantages, rloo_advantages
-from .diagnostics import diagnostics, kl_estimates, masked_quantile, staleness_histogram
+from .anchors import TRUST_ANCHORS, anchor_log_prob, anchored_objective, behavior_clip_fraction, mixture_log_prob
+from .diagnostics import diagnostics, drift_diagnostics, kl_estimates, masked_quantile, staleness_histogram
 from .importance import rollout_is_weights
 from .losses import (
     clipped_objective,
@@ -85,14 +90,19 @@ from .selection import (
 
 __all__ = [
     "LOG_RATIO_BOUND",
+    "TRUST_ANCHORS",
     "admitted_groups",
+    "anchor_log_prob",
+    "anchored_objective",
     "balance_weights",
+    "behavior_clip_fraction",
     "clipped_objective",
     "combine_versions",
     "darl_policy_loss",
     "decoupled_ppo_loss",
     "decoupled_weights",
     "diagnostics",
+    "drift_diagnostics",
     "effective_sample_size",
     "ess_level",
     "grpo_advantages",
@@ -100,6 +110,7 @@ __all__ = [
     "interpolate_version_logp",
     "kl_estimates",
     "masked_quantile",
+    "mixture_log_prob",
     "pmis_batch_constants",
     "pmis_behavior_weights",
     "pmis_beta_from_statistics",

@@ -19,6 +19,7 @@ POLICY_LOSSES = ("ppo", "decoupled", "darl", "sg_weight")
 PMIS_BETAS = ("ess", "tokens", "balance")
 SG_FILLS = ("fresh", "none")
 REUSE_ORDERS = ("oldest", "freshest")
+TRUST_ANCHORS = ("proximal", "behavior", "mixture")
 BALANCE_SNAPSHOTS = ("exact", "interpolate", "auto")
 
 
@@ -34,7 +35,9 @@ class AlgoConfig:
     # ---- the policy loss
     policy_loss: str = "darl"  # ppo | decoupled (AReaL) | darl (per-version P-MIS) | sg_weight
     old_logprob: str = "proximal"  # ratio denominator: behavior | proximal (ppo+behavior = naive async)
-    recompute_proximal: bool = True  # recompute pi_prox log-probs at step start
+    # recompute pi_prox log-probs at step start; losses that do not read them (naive async) then
+    # recompute only for the drift diagnostics (ESS, KL), false skips that forward pass
+    recompute_proximal: bool = True
     rollout_is: str | None = None  # verl-style IS weights on ppo: token | sequence | geometric
     rollout_is_mode: str = "truncate"  # truncate | mask | clip
     rollout_is_threshold: float = 2.0  # upper cap C of the IS weight (also sg_weight's cap on exp(q - b))
@@ -50,6 +53,11 @@ class AlgoConfig:
     adv_eps: float = 1e-6  # std floor of GRPO normalisation
     ppo_n_minibatches: int = 4  # optimizer steps per train step (a seeded random partition of the batch)
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    # darl only: where the PPO clip of the per-version objective is anchored. "proximal" (the published
+    # form): r = exp(q - p) clipped, times rho = min(exp(p - b), C). "behavior": R = exp(q - b) against each
+    # sample's own behavior policy, clipped, no rho (a trust region that holds across a sample's reuses).
+    # "mixture": R = pi_theta / sum_k alpha_k mu_k, clipped (needs pmis_beta=balance)
+    trust_anchor: str = "proximal"
 
     # ---- the replay window
     replay: bool = True  # false: every group is trained once then dropped (the baselines); no age eviction
@@ -73,6 +81,9 @@ class AlgoConfig:
     # engine and learner compute the same log-probs, which would admit no stale group)
     sg_tau_floor: float = 0.01
     sg_fill: str = "fresh"  # batch short after gating: "fresh" fills with the freshest rest, "none" leaves it short
+    # true: the never-trained candidates fill the batch first and reused groups only the room left, so
+    # a reused group never displaces never-trained data; false (the published runs): ranked together by score
+    sg_new_first: bool = True
 
     # ---- the per-version objective (policy-level multiple importance sampling, "pmis")
     pmis: bool = True  # per-version objective with weights beta_k (false: one collapsed token mean)
@@ -93,6 +104,7 @@ class AlgoConfig:
         "reuse_order": REUSE_ORDERS,
         "pmis_beta": PMIS_BETAS,
         "balance_snapshots": BALANCE_SNAPSHOTS,
+        "trust_anchor": TRUST_ANCHORS,
     }
 
     @property
@@ -101,6 +113,13 @@ class AlgoConfig:
         if self.policy_loss in ("decoupled", "darl"):
             return True
         return self.policy_loss == "ppo" and (self.old_logprob == "proximal" or self.rollout_is is not None)
+
+    @property
+    def computes_proximal(self) -> bool:
+        """Whether the learner recomputes pi_prox log-probs: when the loss or selection reads them,
+        and for the losses that do not (naive async, synchronous PPO) when `recompute_proximal` asks,
+        for the drift diagnostics alone (ESS, KL): the same figures in every cell."""
+        return self.uses_proximal or (self.recompute_proximal and self.policy_loss == "ppo")
 
     @property
     def effective_max_reuse(self) -> int:
@@ -143,6 +162,26 @@ class AlgoConfig:
             errors.append(("behav_clip", f"must be > 1 (a ratio bound), got {self.behav_clip}"))
         if self.clip_low < 0 or self.clip_high < 0:
             errors.append(("clip_low", "clip_low and clip_high must be >= 0"))
+        if self.policy_loss == "ppo" and self.old_logprob == "behavior" and self.rollout_is is not None:
+            errors.append(("rollout_is", f"policy_loss=ppo with old_logprob=behavior already corrects for the "
+                           f"behavior policy in its ratio exp(q - b); rollout_is={self.rollout_is} would apply the "
+                           "importance weight twice: set rollout_is=null or old_logprob=proximal"))
+        return errors + self._anchor_errors()
+
+    def _anchor_errors(self) -> list[tuple[str, str]]:
+        if self.trust_anchor == "proximal":
+            return []
+        errors = []
+        if self.policy_loss != "darl":
+            errors.append(("trust_anchor", f"trust_anchor={self.trust_anchor} anchors D-ARL's per-version "
+                           f"objective: it needs policy_loss=darl (got {self.policy_loss!r}); baselines keep "
+                           "trust_anchor=proximal (naive async is policy_loss=ppo with old_logprob=behavior)"))
+        if self.behav_clip is not None:
+            errors.append(("behav_clip", f"trust_anchor={self.trust_anchor} clips the ratio against the behavior "
+                           "side already; behav_clip (a mask on exp(p - b)) belongs to trust_anchor=proximal"))
+        if self.trust_anchor == "mixture" and (self.pmis_beta != "balance" or not self.pmis):
+            errors.append(("trust_anchor", "trust_anchor=mixture clips against the balance mixture "
+                           "sum_k alpha_k mu_k: it needs pmis=true and pmis_beta=balance"))
         return errors
 
     def _window_errors(self) -> list[tuple[str, str]]:

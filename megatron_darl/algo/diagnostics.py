@@ -43,6 +43,29 @@ def kl_estimates(prox_logp, behav_logp, mask, prefix: str = "algo") -> dict[str,
     }
 
 
+def drift_diagnostics(prox_logp, behav_logp, mask, versions) -> dict[str, torch.Tensor | float]:
+    """Drift of a batch whose loss applies no behavior weight (naive async, synchronous PPO), on the
+    scale of the weighted cells' figures: KL k1/k2/k3 and the ESS fraction of the uncorrected
+    weights `exp(p - b)` (what a correction would have to apply), global and per version
+    (`algo/kl_k3/v{k}`, `algo/ess_frac/v{k}`), and the token share per version. No `algo/is/*`:
+    the loss uses no weight to describe."""
+    m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
+    check_sequence_tensor("versions", versions, m.shape[0])
+    zero = torch.zeros((), dtype=prox_logp.dtype, device=prox_logp.device)
+    l_tok = torch.where(m, (prox_logp - behav_logp).detach(), zero).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    w = torch.where(m, torch.exp(l_tok), zero)
+    n_all = float(m.sum())
+    out: dict[str, torch.Tensor | float] = dict(kl_estimates(prox_logp, behav_logp, m))
+    out["algo/ess_frac"] = effective_sample_size(w, m) / max(n_all, 1.0)
+    for k in [int(k) for k in torch.unique(versions).tolist()]:
+        mk = m & (versions == k).unsqueeze(-1)
+        n_k = float(mk.sum())
+        out.update({f"{name}/v{k}": v for name, v in kl_estimates(prox_logp, behav_logp, mk).items()})
+        out[f"algo/ess_frac/v{k}"] = effective_sample_size(w, mk) / max(n_k, 1.0)
+        out[f"algo/tokens_frac/v{k}"] = n_k / max(n_all, 1.0)
+    return {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
+
+
 def staleness_histogram(versions: torch.Tensor, current_version: int,
                         prefix: str = "algo/staleness/batch") -> dict[str, float]:
     """Share of sequences at each staleness `current_version - v` (`{prefix}/{s}`), plus

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .anchors import TRUST_ANCHORS, anchor_log_prob, anchored_objective
 from .importance import LEVELS, rollout_is_weights, weights_from_log
 from .losses import sg_objective, surrogate_metrics, weighted_surrogate
 from .reductions import (
@@ -358,10 +359,12 @@ def darl_policy_loss(
     beta: Mapping[int, float] | None = None,
     version_token_counts: Mapping[int, float] | None = None,
     behav_logp_by_version: Mapping[int, torch.Tensor] | None = None,
-    mixture_counts: Mapping[int, float] | None = None,
+    mixture_counts: Mapping[int, float] | None = None, anchor: str = "proximal",
 ):
     """D-ARL loss `-sum_k beta_k L_k`, `L_k = (1/N_k) sum_{i in S_k} sum_j m_ij rho_ij
-    min(r_ij A_i, clip(r_ij, 1-clip_low, 1+clip_high) A_i)`.
+    min(r_ij A_i, clip(r_ij, 1-clip_low, 1+clip_high) A_i)` (`anchor="proximal"`); with
+    `anchor="behavior"` or `"mixture"` the ratio is `R = exp(q - a)` against the sample's own
+    behavior log-prob or the balance mixture, and `rho` only sets `beta_k` (`anchors.py`).
 
     `rho` = `rollout_is_weights(prox, behav, is_level, is_mode, is_threshold, ...)`, or the
     balance-heuristic weights for `pmis="balance"`. Micro-batches: pass `beta` and
@@ -396,9 +399,14 @@ def darl_policy_loss(
         behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `pmis="balance"`; unused otherwise.
         mixture_counts: `{k: N_k}` for `balance`'s `alpha_k`, e.g. `version_token_counts(token_versions,
             mask)` of the whole batch, so each token counts for its own version; None: `version_token_counts`.
+        anchor: where the PPO clip is anchored: `proximal` (the published form), `behavior` or `mixture`
+            (needs `behav_logp_by_version`, `alpha_k` from `mixture_counts`); `surrogate="clip"` only.
     """
     if surrogate not in SURROGATES:
         raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")
+    if anchor not in TRUST_ANCHORS or (anchor != "proximal" and (surrogate != "clip" or behav_clip is not None)):
+        raise ValueError(f"anchor must be one of {TRUST_ANCHORS} (got {anchor!r}); behavior and mixture need "
+                         f"surrogate='clip' and behav_clip=None (got {surrogate!r}, {behav_clip!r})")
     m = check_token_tensors(mask, logp=logp, prox_logp=prox_logp, behav_logp=behav_logp)
     check_sequence_tensor("versions", versions, m.shape[0])
     metrics: dict[str, torch.Tensor] = {}
@@ -415,16 +423,21 @@ def darl_policy_loss(
             behav_logp_by_version=behav_logp_by_version, version_token_counts=version_token_counts,
             mixture_counts=mixture_counts,
         )
-        obj, flags = weighted_surrogate(
-            logp, prox_logp, behav_logp, advantages, m, rho, clip_low=clip_low,
-            clip_high=clip_high, ratio_level=ratio_level, behav_clip=behav_clip,
-            behav_mask_threshold=behav_mask_threshold,
-        )
+        clip = dict(clip_low=clip_low, clip_high=clip_high, ratio_level=ratio_level)
+        if anchor == "proximal":
+            old = prox_logp
+            obj, flags = weighted_surrogate(logp, prox_logp, behav_logp, advantages, m, rho, behav_clip=behav_clip,
+                                            behav_mask_threshold=behav_mask_threshold, **clip)
+        else:  # the clip anchored behind the data: no behavior weight (rho sets only beta_k)
+            mix = mixture_counts if mixture_counts is not None else version_token_counts
+            old = anchor_log_prob(anchor, behav_logp, m, behav_logp_by_version=behav_logp_by_version,
+                                  counts=count_version_tokens(versions, m) if mix is None else mix)
+            obj, flags = anchored_objective(logp, old, advantages, m, **clip)
         if beta is None:
             metrics.update(is_metrics)
         total = m.sum() if version_token_counts is None else sum(version_token_counts.values())
         den = torch.as_tensor(total, dtype=logp.dtype, device=logp.device).clamp(min=1.0)
-        metrics.update(surrogate_metrics(flags, logp, prox_logp, m, den))
+        metrics.update(surrogate_metrics(flags, logp, old, m, den))
     if beta is None:
         beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(is_level))
         metrics.update(beta_metrics)

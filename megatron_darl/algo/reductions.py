@@ -81,10 +81,16 @@ def resolve_denominator(mask: torch.Tensor, loss_denominator: Denominator, dtype
     """
     if loss_denominator is None:
         return mask.sum().to(dtype).clamp(min=1.0)
-    den = torch.as_tensor(loss_denominator, dtype=dtype, device=mask.device)
-    if den.numel() != 1 or not bool(den > 0):
+    if isinstance(loss_denominator, torch.Tensor):
+        if loss_denominator.numel() != 1:
+            raise ValueError(f"loss_denominator must be one number, got shape {tuple(loss_denominator.shape)}")
+        # a device tensor's value is not read: that would wait on the device
+        if loss_denominator.device.type == "cpu" and not float(loss_denominator) > 0:
+            raise ValueError(f"loss_denominator must be positive, got {float(loss_denominator)!r}")
+        return loss_denominator.to(dtype=dtype, device=mask.device).reshape(())
+    if not float(loss_denominator) > 0:
         raise ValueError(f"loss_denominator must be one positive number, got {loss_denominator!r}")
-    return den.reshape(())
+    return torch.tensor(float(loss_denominator), dtype=dtype, device=mask.device)
 
 
 def version_token_counts(versions: torch.Tensor, mask: torch.Tensor) -> dict[int, float]:

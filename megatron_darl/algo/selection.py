@@ -106,9 +106,13 @@ def select_groups(
     tau_floor: float = 0.0,
     batch_groups: int,
     fill: str = "fresh",
+    never_trained: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indices (into the `G` groups, LongTensor) of the groups that form the batch.
 
+    0. With `never_trained`: those groups first, ungated, in index order (the pool's, oldest
+       first), at most `batch_groups`; the steps below fill only the room left, from the others.
+       So a reused group never displaces a never-trained one.
     1. `admitted_groups(...)`: `tau = max(quantile, tau_floor)`; a stale group (version below the
        freshest) is admitted when its score <= `min(tau, tau_abs)`, a freshest group when <= `tau`.
     2. Admitted groups in ascending score (ties: newer version first, then lower index),
@@ -124,6 +128,8 @@ def select_groups(
         batch_groups: how many groups to choose, >= 0 (required).
         fill: `fresh` tops a short batch up with the freshest remaining groups (newest version first, then
             ascending score, then index); `none` returns fewer.
+        never_trained: `[G]` bool, the groups no step has trained yet, taken first (step 0); None: every
+            group competes by score (a reused group may then displace a never-trained one).
     """
     _check_select_inputs(group_scores, group_versions, batch_groups, fill)
     g = group_scores.shape[0]
@@ -131,8 +137,13 @@ def select_groups(
         return torch.zeros(0, dtype=torch.long)
     s, v = group_scores.tolist(), group_versions.tolist()
     _, ok = admitted_groups(group_scores, group_versions, quantile=quantile, tau_abs=tau_abs, tau_floor=tau_floor)
-    admitted = [i for i in range(g) if ok[i]]
-    chosen = sorted(admitted, key=lambda i: (s[i], -v[i], i))[:batch_groups]
+    chosen: list[int] = []
+    if never_trained is not None:
+        check_sequence_tensor("never_trained", never_trained, g)
+        chosen = [i for i in range(g) if bool(never_trained[i])][:batch_groups]
+    taken = set(chosen)
+    admitted = [i for i in range(g) if ok[i] and i not in taken]
+    chosen += sorted(admitted, key=lambda i: (s[i], -v[i], i))[: batch_groups - len(chosen)]
     if len(chosen) < batch_groups and fill == "fresh":
         taken = set(chosen)
         rest = sorted((i for i in range(g) if i not in taken), key=lambda i: (-v[i], s[i], i))

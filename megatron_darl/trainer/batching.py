@@ -62,10 +62,13 @@ def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int
 
     With `algo.sg`, after warmup, groups are scored by the second moment of the log weight
     `mean_t (p - b)^2` against proximal log-probs and gated by `algo.select_groups` (threshold
-    `max(quantile, cfg.sg_tau_floor)`); otherwise, and in warmup (when the store offers only
-    never-trained groups, which the step trains, a full batch), `fifo_order` (FIFO reads no batch).
+    `max(quantile, cfg.sg_tau_floor)`; with `algo.sg_new_first` the never-trained candidates are
+    taken first and the gate picks reused groups for the room left); otherwise, and in warmup (when
+    the store offers only never-trained groups, which the step trains, a full batch), `fifo_order`
+    (FIFO reads no batch).
     `algo/select/reused_admitted`: the reused candidates selection admits (score within the
     threshold; FIFO: every one), from which the feed plans how many new groups the next step takes.
+    `algo/select/filtered_groups`: candidates the gate kept out of the batch (FIFO: none).
     """
     versions = torch.as_tensor(cands.versions)
     reused = torch.as_tensor(cands.reuse) > 0
@@ -74,14 +77,19 @@ def choose_groups(batch: TrainBatch | None, cands: Candidates, batch_groups: int
         chosen = torch.as_tensor(fifo_order(cands, cfg.reuse_order)[:batch_groups])
         metrics = algo.selection_metrics(versions, chosen)
         metrics["algo/select/reused_admitted"] = float(reused.sum())
+        metrics["algo/select/filtered_groups"] = 0.0
         return chosen.numpy(), metrics
     mask = torch.as_tensor(batch.loss_mask)
     seq_scores = algo.variance_scores(torch.as_tensor(batch.prox_logprobs), torch.as_tensor(batch.behav_logprobs), mask)
     _, g_scores, _ = algo.group_scores(seq_scores, torch.as_tensor(batch.group_index), torch.as_tensor(batch.versions))
     gate = dict(quantile=cfg.sg_quantile, tau_abs=cfg.sg_tau_abs, tau_floor=cfg.sg_tau_floor)
-    chosen = algo.select_groups(g_scores, versions, batch_groups=batch_groups, fill=cfg.sg_fill, **gate)
+    chosen = algo.select_groups(g_scores, versions, batch_groups=batch_groups, fill=cfg.sg_fill,
+                                never_trained=~reused if cfg.sg_new_first else None, **gate)
     tau, admitted = algo.admitted_groups(g_scores, versions, **gate)
     metrics = algo.selection_metrics(versions, chosen, tau)
+    left_out = torch.ones(len(g_scores), dtype=torch.bool).index_fill_(0, chosen, False)
+    # groups the gate kept out of the batch (fill may take a group the gate did not admit)
+    metrics["algo/select/filtered_groups"] = float((left_out & ~admitted).sum())
     # the quantile alone, beside the tau used: where it is below the floor, the floor gates
     metrics["algo/select/tau_quantile"] = algo.selection_threshold(g_scores, versions, quantile=cfg.sg_quantile)
     metrics["algo/select/admitted_frac"] = float(admitted.double().mean()) if len(g_scores) else 0.0
@@ -139,7 +147,7 @@ def prepare_batch(cfg, learner, cands: Candidates | None, step: int) -> tuple[Tr
         chosen, metrics = timed("perf/select_s", choose, None)
         kept = Candidates(step, [cands.groups[i] for i in chosen]) if main else None
         train = learner.broadcast_batch(candidate_batch(kept, cfg.algo) if main else None)
-        if cfg.algo.uses_proximal:
+        if cfg.algo.computes_proximal:  # read by the loss, or (naive async) by the drift diagnostics
             train.prox_logprobs = timed("perf/recompute_s", learner.compute_logprobs, train)
     if learner.pmis == "balance":  # log mu_k of every version with kept weights (the current one is p)
         versions = set(train.token_versions[train.loss_mask > 0].tolist()) | set(train.versions.tolist())

@@ -80,14 +80,15 @@ class ReplayFeed:
         # sorted by (version, group_id), not arrival
         return self.store.candidates(step, new_limit=need, reused_before=step - self.eta, reused_limit=room)
 
-    def commit(self, step: int, group_ids, reused_admitted: int) -> int:
+    def commit(self, step: int, group_ids, reused_admitted: int, filtered: int = 0) -> int:
         """Mark the chosen groups trained at `step` and plan the next step: of the reused groups
         it can be offered, the share selection admitted now (`reused_admitted` of those offered;
         all when none were) is expected to pass, and new groups fill the rest of the batch (at
         least batch_groups / max_reuse: a group is trained at most max_reuse times). Returns the
-        never-trained groups the next step takes: the staleness gate's batch."""
+        never-trained groups the next step takes: the staleness gate's batch. `filtered`: the
+        candidates selection's gate left out (counted by the store)."""
         offered = self.store.last_reused_offered
-        self.store.commit(step, group_ids)
+        self.store.commit(step, group_ids, filtered=filtered)
         rate = reused_admitted / offered if offered else 1.0  # admitted share of the offered reused groups
         expect = round(rate * self.store.reused_eligible(step + 1, before=step + 1 - self.eta))
         floor = -(-self.batch_groups // self.store.cfg.effective_max_reuse)

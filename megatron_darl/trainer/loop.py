@@ -109,7 +109,8 @@ def _consume(t: Trainer, step: int, cands: Candidates, chosen: np.ndarray, batch
     its diagnostics, and return what the publisher tells the staleness gate (the groups used up,
     the next step's share of new groups: what the reused groups selection admits leave)."""
     metrics.update(batch_composition(cands, chosen))  # before commit, which counts this step's reuse
-    new_groups = t.feed.commit(step, cands.group_ids[chosen], metrics["algo/select/reused_admitted"])
+    new_groups = t.feed.commit(step, cands.group_ids[chosen], metrics["algo/select/reused_admitted"],
+                               filtered=int(metrics.get("algo/select/filtered_groups", 0)))
     t.telemetry.record_trained(step, sorted(set(batch.prompt_ids.tolist())))
     metrics.update(step_diagnostics(batch, step))
     metrics.update(t.feed.store.metrics())

@@ -19,7 +19,8 @@ t - v > K (replay on) or after `effective_max_reuse` trainings; with variance-gu
 the staleness gate bounds their age instead. Which groups of the window a step is offered
 (the oldest never-trained ones it takes, older reused ones) is the feed's decision
 (`feed.py`). Counters: `consumed` (groups trained for the first time, aged out
-untrained or dropped incomplete: what the staleness gate credits) and `replay/trained_frac`.
+untrained or dropped incomplete: what the staleness gate credits), `replay/trained_frac` and
+`replay/filtered_groups` (the candidates selection's gate left out, as `commit` is told).
 `state_dict` / `load_state_dict` round-trip the pool exactly (JSON-able metadata plus numpy
 arrays, no pickle).
 What it is not: the selection rule (`algo.select_groups`), the scoring maths, or transport.
@@ -108,7 +109,7 @@ class ReplayStore:
         self._pending: dict[int, list[Trajectory]] = {}  # groups still missing responses
         self._step = 0  # latest step seen (candidates/commit/add)
         # cumulative: added, trained (first time), evicted_age (of which evicted_untrained),
-        # evicted_reuse, dropped_incomplete
+        # evicted_reuse, dropped_incomplete, filtered (candidates selection's gate left out, per step)
         self._counters = Counter()
         self._last_candidates = (0, 0)  # (groups offered, of them never trained) at the latest step
 
@@ -157,15 +158,19 @@ class ReplayStore:
         self._last_candidates = (len(groups), sum(g.reuse == 0 for g in groups))
         return Candidates(step, groups)
 
-    def commit(self, step: int, group_ids: Iterable[int]) -> list[ReplayGroup]:
-        """Mark the chosen groups trained at `step` (in the given order); returns them."""
+    def commit(self, step: int, group_ids: Iterable[int], filtered: int = 0) -> list[ReplayGroup]:
+        """Mark the chosen groups trained at `step` (in the given order); returns them. `filtered`:
+        the candidates selection's gate kept out of this step's batch (`replay/filtered_groups`)."""
         ids = [int(g) for g in np.asarray(list(group_ids), dtype=np.int64).reshape(-1)]
         if len(set(ids)) != len(ids):
             raise ValueError(f"ReplayStore.commit(step={step}): repeated group ids in {ids}")
         missing = [g for g in ids if g not in self._pool]
         if missing:
             raise KeyError(f"ReplayStore.commit(step={step}): groups {missing} are not in the pool")
+        if filtered < 0:
+            raise ValueError(f"ReplayStore.commit(step={step}): filtered={filtered} must be >= 0")
         self._step = max(self._step, step)
+        self._counters["filtered"] += int(filtered)
         batch = [self._pool[g] for g in ids]
         limit = self.cfg.effective_max_reuse
         for g in batch:
@@ -260,6 +265,7 @@ class ReplayStore:
         }
         for name in ("added", "trained", "evicted_age", "evicted_untrained", "evicted_reuse", "dropped_incomplete"):
             out[f"replay/{name}"] = float(self._counters[name])
+        out["replay/filtered_groups"] = float(self._counters["filtered"])  # counted at each step that gates it out
         out["replay/consumed"] = float(self.consumed)
         # of the groups whose fate is decided, the share trained at least once (1 before any)
         out["replay/trained_frac"] = self._counters["trained"] / self.consumed if self.consumed else 1.0

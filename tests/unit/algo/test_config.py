@@ -90,3 +90,42 @@ def test_combinations_of_the_four_parts_are_refused_by_name():
     assert fields(AlgoConfig(pmis_beta="balance", pmis=False).check()) == ["pmis_beta"]
     assert fields(AlgoConfig(pmis_beta="balance", rollout_is="sequence").check()) == ["pmis_beta"]
     assert AlgoConfig(pmis_beta="balance", rollout_is="token").check() == []
+
+
+def test_ppo_on_behavior_with_rollout_weights_is_refused_naming_the_keys():
+    """The ratio exp(q - b) already corrects from mu to pi_theta: a rollout IS weight exp(p - b)
+    on top of it applies the importance weight twice."""
+    errors = AlgoConfig(policy_loss="ppo", old_logprob="behavior", rollout_is="token", **BASELINE).check()
+    assert fields(errors) == ["rollout_is"]
+    msg = dict(errors)["rollout_is"]
+    assert "policy_loss=ppo" in msg and "old_logprob=behavior" in msg and "twice" in msg
+    assert AlgoConfig(policy_loss="ppo", old_logprob="proximal", rollout_is="token", **BASELINE).check() == []
+    assert AlgoConfig(policy_loss="ppo", old_logprob="behavior", **BASELINE).check() == []
+    from megatron_darl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"algo\.rollout_is.*old_logprob=behavior"):
+        load_config(None, ["model.hf_dir=/m", "algo.policy_loss=ppo", "algo.old_logprob=behavior",
+                           "algo.rollout_is=sequence", "algo.replay=false", "algo.sg=false", "algo.pmis=false"])
+
+
+def test_trust_anchor_is_d_arl_s_and_mixture_needs_the_balance_mixture():
+    assert AlgoConfig(trust_anchor="behavior").check() == []
+    assert AlgoConfig(trust_anchor="mixture", pmis_beta="balance").check() == []
+    assert fields(AlgoConfig(trust_anchor="mixture").check()) == ["trust_anchor"]
+    assert "pmis_beta=balance" in dict(AlgoConfig(trust_anchor="mixture").check())["trust_anchor"]
+    off = AlgoConfig(policy_loss="decoupled", trust_anchor="behavior", **BASELINE).check()
+    assert fields(off) == ["trust_anchor"] and "policy_loss=darl" in dict(off)["trust_anchor"]
+    assert fields(AlgoConfig(trust_anchor="behavior", behav_clip=5.0).check()) == ["behav_clip"]
+    assert AlgoConfig._choices["trust_anchor"] == ("proximal", "behavior", "mixture")
+
+
+def test_selection_fills_the_batch_with_never_trained_groups_first_by_default():
+    assert AlgoConfig().sg_new_first is True
+
+
+def test_naive_async_recomputes_proximal_log_probs_only_for_diagnostics_when_asked():
+    naive = AlgoConfig(policy_loss="ppo", old_logprob="behavior", **BASELINE)
+    assert naive.computes_proximal and not naive.uses_proximal
+    assert not dataclasses.replace(naive, recompute_proximal=False).computes_proximal
+    assert not AlgoConfig(policy_loss="sg_weight", old_logprob="behavior", **BASELINE).computes_proximal
+    assert AlgoConfig().computes_proximal

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_darl.algo import (
+    behavior_clip_fraction,
     darl_policy_loss,
     decoupled_ppo_loss,
     diagnostics,
@@ -56,3 +57,8 @@ def test_cuda_micro_batches_and_helpers():
     assert grpo_advantages(torch.rand(12, device="cuda"), groups).is_cuda
     _, gs, gv = group_scores(variance_scores(prox, behav, mask), groups, versions)
     assert select_groups(gs, gv, batch_groups=2).numel() == 2
+    assert select_groups(gs, gv, batch_groups=2, never_trained=gv == gv.max()).numel() == 2
+    assert behavior_clip_fraction(logp, behav, adv, mask, den=float(mask.sum())).is_cuda
+    anchored, _ = darl_policy_loss(logp, prox, behav, adv, mask, versions, anchor="behavior")
+    on_cpu, _ = darl_policy_loss(*[t.cpu() for t in (logp, prox, behav, adv, mask, versions)], anchor="behavior")
+    torch.testing.assert_close(anchored.cpu(), on_cpu, rtol=1e-5, atol=1e-6)

@@ -56,6 +56,48 @@ def test_select_groups_matches_reference(seed):
     assert got.tolist() == ref.select(scores, versions, q, tau_abs, batch, fill)
 
 
+def _random_pool(seed):
+    rng = random.Random(seed)
+    g = rng.randint(2, 30)
+    versions = [rng.randint(0, 4) for _ in range(g)]
+    scores = [round(rng.random() * 0.1, 2) for _ in range(g)]
+    new = [rng.random() < 0.5 for _ in range(g)]
+    return rng, versions, scores, new
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_new_first_never_lets_a_reused_group_displace_a_never_trained_one(seed):
+    """Whatever the scores: every never-trained group is in the batch when it has room for them,
+    before any reused one; the reused ones that fill the rest are those the published ranking
+    picks among the reused alone."""
+    rng, versions, scores, new = _random_pool(seed)
+    batch = rng.randint(1, len(versions) + 2)
+    kw = dict(quantile=rng.choice([0.5, 0.9, 1.0]), tau_abs=rng.choice([None, 0.04]), batch_groups=batch,
+              fill=rng.choice(["fresh", "none"]))
+    got = select_groups(torch.tensor(scores, dtype=torch.float64), torch.tensor(versions),
+                        never_trained=torch.tensor(new), **kw).tolist()
+    fresh = [i for i in range(len(new)) if new[i]]
+    assert got[: len(fresh)] == fresh[:batch]  # all of them (pool order), first
+    assert all(not new[i] for i in got[len(fresh):]) and len(set(got)) == len(got)
+    room = batch - len(fresh)
+    if room > 0:  # the rest: the gate and the ranking applied to the reused groups, tau from the whole pool
+        tau, ok = admitted_groups(torch.tensor(scores, dtype=torch.float64), torch.tensor(versions),
+                                  quantile=kw["quantile"], tau_abs=kw["tau_abs"])
+        reused = [i for i in range(len(new)) if not new[i]]
+        admitted = sorted((i for i in reused if ok[i]), key=lambda i: (scores[i], -versions[i], i))[:room]
+        assert got[len(fresh): len(fresh) + len(admitted)] == admitted
+
+
+def test_a_better_scoring_reused_group_displaces_a_never_trained_one_only_when_ranked_together():
+    scores = torch.tensor([0.001, 0.03, 0.002], dtype=torch.float64)  # group 0 reused and best matched
+    versions = torch.tensor([2, 3, 3])
+    new = torch.tensor([False, True, True])
+    kw = dict(quantile=1.0, batch_groups=2, fill="fresh")
+    assert select_groups(scores, versions, **kw).tolist() == [0, 2]  # the published ranking: group 1 left out
+    assert select_groups(scores, versions, never_trained=new, **kw).tolist() == [1, 2]
+    assert select_groups(scores, versions, never_trained=new, quantile=1.0, batch_groups=3).tolist() == [1, 2, 0]
+
+
 def test_selection_threshold_uses_the_freshest_groups_only():
     scores = torch.tensor([0.0, 1.0, 2.0, 100.0, 200.0])
     versions = torch.tensor([3, 3, 3, 1, 2])

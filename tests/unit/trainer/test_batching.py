@@ -61,7 +61,7 @@ def test_choose_groups_drops_the_drifted_stale_group():
     drift[0] = 3.0  # stale group 0 no longer matches the current policy
     b.prox_logprobs = b.behav_logprobs + drift[b.group_index][:, None] * b.loss_mask + \
         0.01 * np.arange(5)[b.group_index][:, None] * b.loss_mask
-    rc = AlgoConfig(sg=True, sg_quantile=1.0, warmup=0)
+    rc = AlgoConfig(sg=True, sg_quantile=1.0, warmup=0, sg_new_first=False)  # every group ranked by score
     chosen, m = choose_groups(b, cands, 3, rc, step=5)
     assert 0 not in chosen.tolist() and len(chosen) == 3
     assert m["algo/select/filtered_frac/v0"] > 0
@@ -91,12 +91,20 @@ def test_threshold_floor_admits_stale_groups_that_still_match():
     b = candidate_batch(cands, AlgoConfig())
     drift = np.array([0.05, 3.0, 0.02, 0.01, 1e-7, 2e-7])[b.group_index][:, None]  # group 1 drifted
     b.prox_logprobs = (b.behav_logprobs + drift * b.loss_mask).astype(np.float64)
-    chosen, m = choose_groups(b, cands, 5, AlgoConfig(sg=True, warmup=0, sg_fill="none"), step=3)
+    ranked = dict(sg=True, warmup=0, sg_fill="none", sg_new_first=False)  # every group ranked by score
+    chosen, m = choose_groups(b, cands, 5, AlgoConfig(**ranked), step=3)
     assert chosen.tolist() == [4, 5, 3, 2, 0]
     assert m["algo/select/reused_admitted"] == 2 and m["algo/select/admitted_frac"] == 5 / 6
     assert m["algo/select/tau"] == 0.01 and m["algo/select/tau_quantile"] < 1e-12
-    off, _ = choose_groups(b, cands, 5, AlgoConfig(sg=True, warmup=0, sg_fill="none", sg_tau_floor=0.0), step=3)
+    assert m["algo/select/filtered_groups"] == 1  # the drifted group 1
+    off, m_off = choose_groups(b, cands, 5, AlgoConfig(**ranked, sg_tau_floor=0.0), step=3)
     assert off.tolist() == [4]  # the quantile alone (q = 0.9 of 1e-14, 4e-14): no stale group
+    assert m_off["algo/select/filtered_groups"] == 5
+    # never-trained first (the default): groups 3, 4, 5 in pool order, then the admitted reused ones
+    new_first, m_new = choose_groups(b, cands, 5, AlgoConfig(sg=True, warmup=0, sg_fill="none"), step=3)
+    assert new_first.tolist() == [3, 4, 5, 2, 0] and m_new["algo/select/filtered_groups"] == 1
+    gated, _ = choose_groups(b, cands, 5, AlgoConfig(sg=True, warmup=0, sg_fill="none", sg_tau_floor=0.0), step=3)
+    assert gated.tolist() == [3, 4, 5]  # the gate holds back reused groups only
 
 
 def test_fifo_takes_never_trained_groups_first_then_reused_oldest_first():

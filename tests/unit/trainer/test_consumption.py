@@ -102,12 +102,14 @@ def test_feed_plans_the_next_steps_new_groups_from_what_selection_admits():
     cands = feed.wait_candidates(1, alive=lambda: None, timeout_s=5)
     # 2 new (the oldest: 4, 5) and room for 2 reused plus a quarter batch: 3 of the 4 reused
     assert cands.group_ids.tolist() == [0, 1, 2, 4, 5] and cands.reuse.tolist() == [1, 1, 1, 0, 0]
-    assert feed.commit(1, cands.group_ids[[0, 1, 3, 4]], reused_admitted=1) == 3
+    assert feed.commit(1, cands.group_ids[[0, 1, 3, 4]], reused_admitted=1, filtered=1) == 3
+    assert store.metrics()["replay/filtered_groups"] == 1  # the reused group selection's gate left out
     # 1 of 3 offered reused groups passed; 4 can be offered at step 2 (2, 3, 4, 5): expect 1, take 3 new
     assert feed.new_groups == 3
     again = ReplayFeed(FakeRing(), _store(k=2), batch_groups=4)
     again.load_state_dict(feed.state_dict())
     assert again.new_groups == 3 and again.received == feed.received == 16
+    assert again.store.metrics()["replay/filtered_groups"] == 1  # checkpointed with the pool
     with pytest.raises(TimeoutError, match="3 never trained"):
         feed.wait_candidates(2, alive=lambda: None, timeout_s=0.3)  # only 6 and 7 are new
     # reused groups too old to be offered (version >= step - eta) do not count toward the batch
@@ -156,14 +158,16 @@ class _Engines:
 
 
 def _simulate(new_protocol: bool, steps: int = 60, batch: int = 8, eta: int = 1, k: int = 2,
-              per_tick: int = 2, train_ticks: int = 3, mismatch: float = 0.0, drift: float = 0.01, seed: int = 0):
+              per_tick: int = 2, train_ticks: int = 3, mismatch: float = 0.0, drift: float = 0.01, seed: int = 0,
+              new_first: bool = False, out: dict | None = None):
     """A run in ticks: engines generate up to `per_tick` groups a tick, as the gate admits, with
     the version they serve; a step trains for `train_ticks` ticks, so the learner waits for data
     now and then (as the CPU demo does) and groups of the current version are then in the pool.
     Selection: `algo.select_groups` on scores `mismatch * u + drift * age * (1 + u)`, u uniform
     (with no mismatch the current version scores 0: the learner recomputes exactly what the
-    engine sampled, as on the CPU demo). Old protocol: every
-    candidate, a batch of new groups per step, AReaL's gate counting one batch per version."""
+    engine sampled, as on the CPU demo); `new_first`: never-trained candidates first
+    (`algo.sg_new_first`). Old protocol: every candidate, a batch of new groups per step, AReaL's
+    gate counting one batch per version. `out` receives the store's final metrics."""
     rng = np.random.default_rng(seed)
     ring, store = FakeRing(), _store(k=k)
     feed = ReplayFeed(ring, store, batch, eta)
@@ -181,21 +185,27 @@ def _simulate(new_protocol: bool, steps: int = 60, batch: int = 8, eta: int = 1,
         u = rng.random(len(cands))
         scores = torch.as_tensor(mismatch * u + drift * age * (1 + u))
         versions = torch.as_tensor(cands.versions)
-        chosen = algo.select_groups(scores, versions, quantile=0.9, batch_groups=batch).numpy()
+        fresh = torch.as_tensor(cands.reuse == 0) if new_first else None
+        chosen = algo.select_groups(scores, versions, quantile=0.9, batch_groups=batch, never_trained=fresh).numpy()
         assert len(chosen) == batch
         tau = algo.selection_threshold(scores, versions, quantile=0.9)
-        admitted = int(((scores.numpy() <= tau) & (cands.reuse > 0)).sum())
+        gated = scores.numpy() > tau
+        admitted = int((~gated & (cands.reuse > 0)).sum())
+        filtered = int((gated & ~np.isin(np.arange(len(cands)), chosen)).sum())
         engines.tick(train_ticks)
         version = engines.version = step + 1
         if new_protocol:
-            planned = feed.commit(step, cands.group_ids[chosen], admitted)
+            planned = feed.commit(step, cands.group_ids[chosen], admitted, filtered=filtered)
             gate.on_version(version, consumed=store.consumed, batch_size=planned)
         else:
             store.commit(step, cands.group_ids[chosen])
             gate.on_version(version)
+    untrained_before_end = store.metrics()["replay/evicted_untrained"]
     feed.drain(steps)
     store.candidates(steps + k + 1)  # the run ends: what is left ages out
     m = store.metrics()
+    if out is not None:
+        out.update(m, untrained_before_end=untrained_before_end)
     return m["replay/trained_frac"], m["replay/added"] / steps
 
 
@@ -208,6 +218,20 @@ def test_generation_is_not_spent_on_groups_that_age_out_untrained():
     old_frac, old_rate = _simulate(new_protocol=False, mismatch=0.01, drift=0.001)
     new_frac, new_rate = _simulate(new_protocol=True, mismatch=0.01, drift=0.001)
     assert old_frac < 0.9 and new_frac >= 0.95 and new_rate < 7.5
+
+
+def test_with_new_first_selection_no_never_trained_group_ages_out_displaced():
+    """Stale groups that match better than new ones (engine mismatch above the drift): ranked
+    together by score, reused groups displace never-trained ones, which then age out untrained
+    during the run; with never-trained data first none does, and the gate's rejections are
+    counted (`replay/filtered_groups`)."""
+    for kw in (dict(mismatch=0.01, drift=0.001), dict(mismatch=0.02, drift=0.002, eta=2, k=5)):
+        ranked, first = {}, {}
+        _simulate(new_protocol=True, out=ranked, **kw)
+        _simulate(new_protocol=True, new_first=True, out=first, **kw)
+        assert ranked["untrained_before_end"] > 0, kw
+        assert first["untrained_before_end"] == 0, kw
+        assert first["replay/filtered_groups"] > 0 and first["replay/trained_frac"] > ranked["replay/trained_frac"]
 
 
 def test_k1_replay_ages_out_a_straggler_that_decoupled_trains():

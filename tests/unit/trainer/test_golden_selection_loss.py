@@ -50,7 +50,8 @@ def _fixed():
 
 def test_selection_and_loss_on_a_fixed_candidate_batch_are_unchanged():
     cands, batch, logp = _fixed()
-    chosen, metrics = choose_groups(batch, cands, 10, AlgoConfig(sg=True, warmup=0, sg_quantile=0.9), cands.step)
+    published = AlgoConfig(sg=True, warmup=0, sg_quantile=0.9, sg_new_first=False)  # ranked together by score
+    chosen, metrics = choose_groups(batch, cands, 10, published, cands.step)
     assert chosen.tolist() == GOLDEN["chosen"]
     assert metrics["algo/select/tau"] == pytest.approx(GOLDEN["tau"], rel=1e-12)
     train = take_groups(batch, chosen)

@@ -65,6 +65,12 @@ def test_fifo_recomputes_only_the_groups_it_trains():
     learner = FakeLearner()
     train, _, _ = prepare_batch(cfg, learner, cands, step=4)
     assert learner.recomputed == [] and train.prox_logprobs is None
+    # unless it asks for them (recompute_proximal, the default): the drift diagnostics read them
+    cfg.algo = replace(cfg.algo, recompute_proximal=True)
+    learner = FakeLearner()
+    train, _, _ = prepare_batch(cfg, learner, cands, step=4)
+    assert learner.recomputed == [12]
+    np.testing.assert_array_equal(train.prox_logprobs, want.prox_logprobs)
 
 
 def test_selection_recomputes_every_candidate_and_chooses_as_before():

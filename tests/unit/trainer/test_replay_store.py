@@ -165,8 +165,13 @@ def test_two_phase_commit_by_group_id():
     with pytest.raises(ValueError, match="repeated"):
         store.commit(3, [1, 1])
     assert store.ready(3, batch_groups=3, min_new=3) and not store.ready(3, batch_groups=3, min_new=4)
-    # what a step filtered is the selection's figure (algo/select/filtered_frac/v{k}), not the pool's
-    assert not any("filtered" in k for k in store.metrics())
+    # the groups selection's gate left out: cumulative, as the commits report them
+    assert store.metrics()["replay/filtered_groups"] == 0
+    store.commit(4, [1], filtered=2)
+    store.commit(4, [3], filtered=1)
+    assert store.metrics()["replay/filtered_groups"] == 3
+    with pytest.raises(ValueError, match="filtered=-1"):
+        store.commit(4, [9], filtered=-1)
 
 
 def _assert_same(a: ReplayStore, b: ReplayStore) -> None:

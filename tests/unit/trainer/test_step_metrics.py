@@ -75,12 +75,23 @@ def test_balance_logs_the_ess_of_the_balance_weights():
     assert abs(plain["algo/ess_frac"] - out["algo/ess_frac"]) > 1e-3  # another figure: the check can fail
 
 
-def test_baselines_without_behavior_weights_log_only_drift():
+def test_baselines_without_behavior_weights_log_drift_and_the_ess_of_the_weights_they_skip():
+    """Naive async and synchronous PPO apply no weight: they log KL and the ESS of exp(p - b), the
+    weight a correction would apply, so ESS compares across every cell; no `algo/is/*`."""
     batch = _batch()
-    sync = _stats(AlgoConfig(policy_loss="ppo", old_logprob="proximal"), batch)
-    assert "algo/kl_k3" in sync and "algo/kl_k3/v3" in sync
-    assert not any(k.startswith(("algo/is/", "algo/ess_frac")) for k in sync)
-    batch.prox_logprobs = None  # naive async: no proximal policy at all
+    m = batch.loss_mask > 0
+    l_tok = batch.prox_logprobs.astype(np.float64) - batch.behav_logprobs
+    for cell in (AlgoConfig(policy_loss="ppo", old_logprob="proximal"),
+                 AlgoConfig(policy_loss="ppo", old_logprob="behavior", pmis=False)):
+        out = _stats(cell, batch)
+        assert out["algo/ess_frac"] == pytest.approx(_ess_frac(np.exp(l_tok[m])), rel=1e-5)
+        v3 = m & (batch.versions[:, None] == 3)
+        assert out["algo/ess_frac/v3"] == pytest.approx(_ess_frac(np.exp(l_tok[v3])), rel=1e-5)
+        assert out["algo/kl_k3"] == pytest.approx(float(np.mean(np.exp(l_tok[m]) - 1 - l_tok[m])), rel=1e-5)
+        assert out["algo/kl_k3/v3"] == pytest.approx(float(np.mean(np.exp(l_tok[v3]) - 1 - l_tok[v3])), rel=1e-5)
+        assert out["algo/tokens_frac/v3"] == 0.5
+        assert not any(k.startswith("algo/is/") for k in out)
+    batch.prox_logprobs = None  # naive async that asked for no recompute: no proximal policy at all
     assert _stats(AlgoConfig(policy_loss="ppo", old_logprob="behavior", recompute_proximal=False), batch) == {}
 
 
