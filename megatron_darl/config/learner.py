@@ -22,6 +22,10 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     spec: str = "auto"  # layer spec: auto (te when TE and CUDA are present, else local) | local | te
     fp8: str | None = None  # FP8 recipe with the TE spec: delayed | tensorwise | blockwise | mxfp8
+    # the local spec's core attention (the TE spec runs TE's fused attention): auto (flash) | flash
+    # (torch scaled_dot_product_attention: flash kernels, O(s) memory, refuses what it cannot run
+    # exactly) | dot_product (megatron-core's DotProductAttention: [s, s] scores kept for backward)
+    attention: str = "auto"
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times TP
     # activation recompute (Megatron's recompute_granularity): none | selective (only the
     # `recompute_modules` below) | full (every layer, uniform, one layer per checkpoint: only each
@@ -34,6 +38,7 @@ class ModelConfig:
         "dtype": ("auto", "fp32", "bf16"),
         "spec": ("auto", "local", "te"),
         "fp8": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+        "attention": ("auto", "flash", "dot_product"),
         "recompute": ("none", "selective", "full"),
     }
     RECOMPUTE_MODULES: ClassVar[tuple[str, ...]] = ("core_attn", "mlp")  # the dense-model ones
@@ -44,6 +49,9 @@ class ModelConfig:
             errors.append(("hf_dir", "is required: a folder holding the model's config.json"))
         if self.fp8 is not None and self.spec == "local":
             errors.append(("fp8", "FP8 needs the Transformer Engine spec; set spec=te or auto"))
+        if self.attention != "auto" and self.spec == "te":
+            errors.append(("attention", f"{self.attention} selects the local spec's core attention; the "
+                                        "Transformer Engine spec (spec=te) runs TE's own: leave attention=auto"))
         if self.make_vocab_size_divisible_by < 1:
             errors.append(("make_vocab_size_divisible_by", "must be >= 1"))
         bad = [m for m in self.recompute_modules if m not in self.RECOMPUTE_MODULES]

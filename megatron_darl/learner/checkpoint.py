@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_darl.learner.optim_step import use_sync_free_adam
 from megatron_darl.learner.weights import replace_folder
 
 _META = "learner_meta.json"
@@ -153,6 +154,7 @@ def load(learner, ckpt_dir: str) -> dict[str, Any]:
         chunk.load_state_dict(loaded[_model_key(i, len(learner.chunks))], strict=False)
     with torch.no_grad():  # 0.16.1's dp_reshardable loader copies into leaf params without it
         learner.optimizer.load_state_dict(loaded["optimizer"])
+    use_sync_free_adam(learner.optimizer)  # the loaded param groups bring back their saved flags
     learner.scheduler.num_steps = 0  # Megatron's load_state_dict steps forward by the saved count
     learner.scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:

@@ -105,9 +105,10 @@ def plan_command(cfg) -> int:
 
 def check_resolved_spec(cfg, on_gpu: bool, te: bool) -> None:
     """On the learner's node: `model.spec=auto` without Transformer Engine falls back to the
-    local spec, which the plan made at submit did not assume (its attention keeps ~6 B per
-    score, not flash attention's 4 B per row): refuse, with the local spec's plan, a recipe that
-    then does not fit, before any GPU memory is taken."""
+    local spec, which the plan made at submit did not assume (its SwiGLU keeps one more
+    activation, and with `model.attention=dot_product` its attention ~6 B per score, not flash
+    attention's 4 B per row): refuse, with the local spec's plan, a recipe that then does not
+    fit, before any GPU memory is taken."""
     if not on_gpu or te or cfg.model.spec != "auto":
         return
     hf, source = model_shapes(cfg)

@@ -34,11 +34,9 @@ def chunk_positions(b: int, v_local: int, chunk_bytes: int = HEAD_CHUNK_BYTES) -
     return max(1, chunk_bytes // (4 * max(1, b) * max(1, v_local)))
 
 
-def _shifted(x: torch.Tensor, lo: int, hi: int, valid: int, temperature: float, zmax: torch.Tensor) -> torch.Tensor:
-    """A fresh fp32 chunk x[:, lo:hi, :valid] / T - zmax (a copy even when x is fp32: it is
-    modified in place)."""
-    sh = x[:, lo:hi, :valid].to(torch.float32, copy=True)
-    return sh.div_(temperature).sub_(zmax[:, lo:hi, None])
+def _scaled(x: torch.Tensor, lo: int, hi: int, valid: int, inv_t: float, shift: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 chunk `x[:, lo:hi, :valid] / T - shift` in one kernel (`shift` [b, s])."""
+    return torch.add(shift[:, lo:hi, None].neg(), x[:, lo:hi, :valid], alpha=inv_t)
 
 
 class VocabParallelLogProbs(torch.autograd.Function):
@@ -48,19 +46,23 @@ class VocabParallelLogProbs(torch.autograd.Function):
     x: [b, s, V_local] logits in the model's dtype (any strides; Megatron's are transposed);
     target: [b, s] global token ids; columns at or past `valid` (Megatron's vocab padding) are
     excluded. Only the row max, the partition sum, the target logit and `sum p z` cross the TP
-    group. Backward recomputes p chunk by chunk from the saved logits; with z = x / T, per local
-    column i:
+    group. Backward recomputes log p chunk by chunk from the saved logits; with z = x / T, per
+    local column i:
       d logp / d z_i = 1[i = target] - p_i
       d H / d z_i    = -p_i (log p_i + H)
-    both local to the rank, so the backward needs no communication.
+    both local to the rank, so the backward needs no communication. Per chunk the forward makes
+    four passes over its values (the shifted chunk, exp, the sum, `sum e z` as one batched dot
+    product) and the backward five (log p, exp, the affine weight, the product, the copy into
+    the gradient), two fp32 chunks live in each.
     """
 
     @staticmethod
     def forward(ctx, x, target, temperature: float, vocab_start: int, valid: int, group, chunk: int):
         b, s, _ = x.shape
+        inv_t = 1.0 / temperature
         stats = torch.zeros(3, b, s, dtype=torch.float32, device=x.device)  # sum e, s_target, sum e*s
         if valid > 0:
-            zmax = x[..., :valid].amax(-1).float() / temperature  # exact in any dtype; T > 0 keeps order
+            zmax = x[..., :valid].amax(-1).float() * inv_t  # T > 0 keeps the order
         else:  # a rank holding only padding columns
             zmax = torch.full((b, s), float("-inf"), device=x.device)
         if group is not None:  # None: the whole vocabulary is local (single rank, tests)
@@ -70,37 +72,39 @@ class VocabParallelLogProbs(torch.autograd.Function):
         idx = torch.where(owned, local_t, torch.zeros_like(local_t))
         for lo in range(0, s if valid > 0 else 0, chunk):  # two fp32 chunks live: sh, e
             hi = min(s, lo + chunk)
-            sh = _shifted(x, lo, hi, valid, temperature, zmax)
+            sh = _scaled(x, lo, hi, valid, inv_t, zmax)
             e = torch.exp(sh)
             stats[0, :, lo:hi] = e.sum(-1)
             stats[1, :, lo:hi] = sh.gather(-1, idx[:, lo:hi, None])[..., 0]
-            stats[2, :, lo:hi] = e.mul_(sh).sum(-1)
+            stats[2, :, lo:hi] = torch.matmul(e.unsqueeze(-2), sh.unsqueeze(-1))[..., 0, 0]
         stats[1] = torch.where(owned, stats[1], 0.0)
         if group is not None:
             dist.all_reduce(stats, group=group)
         log_z = torch.log(stats[0])
         logp = stats[1] - log_z
         entropy = log_z - stats[2] / stats[0]
-        ctx.save_for_backward(x, idx, owned, zmax, stats[0], entropy)
+        ctx.save_for_backward(x, idx, owned, zmax + log_z, entropy)
         ctx.temperature, ctx.valid, ctx.chunk = temperature, valid, chunk
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        x, idx, owned, zmax, sum_e, entropy = ctx.saved_tensors
-        t, valid, chunk = ctx.temperature, ctx.valid, ctx.chunk
+        x, idx, owned, log_norm, entropy = ctx.saved_tensors
+        inv_t, valid, chunk = 1.0 / ctx.temperature, ctx.valid, ctx.chunk
         grad = torch.zeros_like(x)  # padding columns get no gradient
+        # dL/dx_i = (1/T) (gl 1[i = target] - p_i (gl + ge (log p_i + H))) = p_i (c + k log p_i) + ...
+        c = ((grad_logp + grad_entropy * entropy) * -inv_t)[..., None]
+        k = (grad_entropy * -inv_t)[..., None]
+        on_target = torch.where(owned, grad_logp * inv_t, 0.0)[..., None]
         for lo in range(0, x.shape[1] if valid > 0 else 0, chunk):
             hi = min(x.shape[1], lo + chunk)
-            sh = _shifted(x, lo, hi, valid, t, zmax)  # two fp32 chunks live: sh, p
-            p = torch.exp(sh).div_(sum_e[:, lo:hi, None])  # as in forward: exp, then one division
-            gl, ge = grad_logp[:, lo:hi, None], grad_entropy[:, lo:hi, None]
-            # sh becomes gl + (log p + H) ge, then p becomes -p (gl + (log p + H) ge), all in place
-            sh.sub_(torch.log(sum_e[:, lo:hi, None])).add_(entropy[:, lo:hi, None]).mul_(ge).add_(gl)
-            g = p.mul_(sh).neg_()
-            del sh
-            g.scatter_add_(-1, idx[:, lo:hi, None], torch.where(owned[:, lo:hi, None], gl, 0.0))
-            grad[:, lo:hi, :valid] = g.div_(t)
+            logp = _scaled(x, lo, hi, valid, inv_t, log_norm)  # two fp32 chunks live: logp, p
+            p = torch.exp(logp)
+            w = torch.addcmul(c[:, lo:hi], k[:, lo:hi], logp, out=logp)
+            g = p.mul_(w)
+            del logp, w
+            g.scatter_add_(-1, idx[:, lo:hi, None], on_target[:, lo:hi])
+            grad[:, lo:hi, :valid] = g
         return grad, None, None, None, None, None, None
 
 

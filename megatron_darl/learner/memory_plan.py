@@ -11,15 +11,16 @@ Megatron allocates (a test compares them with a real CPU model); activations fol
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4: per layer
 sbh(34 + 5as/h) bytes, the replicated 10sbh part divided by t only with sequence parallel),
 re-derived for this architecture: no dropout, SwiGLU (fc1 output 2F wide, its product F wide),
-GQA (q of a*d, k/v of g*d), q/k RMSNorm, and flash attention on the TE spec (softmax
-statistics instead of the a*s^2 score matrix).
+GQA (q of a*d, k/v of g*d), q/k RMSNorm, and flash attention (softmax statistics instead of
+the a*s^2 score matrix) on the TE spec and on the local spec's default core attention
+(`attention.FlashCoreAttention`; `model.attention=dot_product` plans the score matrix).
 
 Formulas, per micro-batch of T tokens, e bytes per activation (2 in bf16), tp t:
 - outside the TP region, kept whole unless sequence parallel (then / t): the inputs and outputs
   of the two RMSNorms, 4eTh;
 - inside (/ t): q/k before their norms e T (a+g) d (Qwen3), q, k, v e T (a+2g) d, attention
-  output e T a d, attention internals 4Ta (flash, fp32 log-sum-exp) or e a T min(T, S) (local
-  spec, softmax probabilities), fc1 output 2eTF, SwiGLU output eTF (+ eTF for the separate silu
+  output e T a d, attention internals 4Ta (flash, fp32 log-sum-exp) or (4 + e) a T min(T, S)
+  (dot-product attention, softmax probabilities), fc1 output 2eTF, SwiGLU output eTF (+ eTF for the separate silu
   output without the fused kernel);
 - selective recompute drops the internals of the modules it recomputes (core_attn, mlp); full
   recompute keeps only each layer's input eTh (/ t with sequence parallel), plus one layer's
@@ -27,9 +28,12 @@ Formulas, per micro-batch of T tokens, e bytes per activation (2 in bf16), tp t:
 - with 1F1B pipelining stage k holds pp - k micro-batches of its L/pp layers;
 - the head keeps the logits e T V/t for backward, the gradient e T V/t, and fp32 working
   chunks of `logprobs.HEAD_CHUNK_BYTES` (two live at once, one more allowed for conversions).
-Bytes per parameter (Megatron-LM docs, "Distributed Optimizer"): bf16 parameters with fp32
-main gradients 2 + 4, Adam with fp32 master weights 12 (sharded over DP by the distributed
-optimizer: 12 / dp); fp32 parameters 4 + 4 + Adam 8 (8 / dp).
+Bytes per parameter (Megatron-LM docs, "Distributed Optimizer"): bf16 parameters (all of them,
+norms included: `model.cast_parameters`) with fp32 main gradients 2 + 4, Adam with fp32 master
+weights 12 (sharded over DP by the distributed optimizer: 12 / dp); fp32 parameters 4 + 4 +
+Adam 8 (8 / dp). With the distributed optimizer, DDP's parameter and gradient buffers are
+padded (`buffer_layout`, megatron-core 0.16.1's rule) and the plan counts them padded; the
+optimizer row is the largest DP rank's shard of the parameters' values.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class Setting:
     recompute: str  # none | selective | full
     recompute_modules: tuple[str, ...]
     bf16: bool
-    te_spec: bool  # flash attention and the fused SwiGLU kernel
+    te_spec: bool  # the fused SwiGLU kernel (and TE's flash attention)
     distributed_optimizer: bool
     micro_batch_tokens: int  # the budget, or one sequence longer than it
     recompute_tokens: int  # the forward-only recompute pass's budget
@@ -64,6 +68,7 @@ class Setting:
     gpu_gib: float
     engine_fraction: float
     on_gpu: bool
+    flash_attention: bool = True  # TE's, or the local spec's FlashCoreAttention (model.attention)
 
 
 @dataclass
@@ -85,7 +90,9 @@ class MemoryPlan:
         s = self.setting
         lines = [f"memory plan per GPU (tp={s.tp} pp={s.pp} dp={s.dp} sequence_parallel={s.sequence_parallel} "
                  f"recompute={s.recompute} {'bf16' if s.bf16 else 'fp32'} "
-                 f"{'TE spec' if s.te_spec else 'local spec'}; worst stage: {self.stage})"]
+                 f"{'TE spec' if s.te_spec else 'local spec'}, "
+                 f"{'flash' if s.flash_attention or s.te_spec else 'dot-product'} attention; "
+                 f"worst stage: {self.stage})"]
         lines += [f"  {what:<34} {b / GIB:8.2f} GiB   {how}" for what, b, how in self.rows]
         lines.append(f"  {'total':<34} {self.total / GIB:8.2f} GiB")
         if s.on_gpu:
@@ -114,10 +121,13 @@ def _layer_bytes(hf: dict[str, Any], s: Setting, tokens: int, recompute: str) ->
     outside = 4 * e * tokens * h / sp
     qk = e * tokens * (a + g) * d if hf.get("model_type", "qwen3") == "qwen3" else 0
     attn = qk + e * tokens * (a + 2 * g) * d + e * tokens * a * d
-    # local spec: megatron-core's DotProductAttention keeps, per score, the fp32 softmax output
-    # (attention_softmax_in_fp32, for the softmax backward) and its bf16 copy (for the bmm): 6 B
+    # local spec with model.attention=dot_product: megatron-core's DotProductAttention keeps, per
+    # score, the fp32 softmax output (attention_softmax_in_fp32, for the softmax backward) and its
+    # bf16 copy (for the bmm): 6 B; flash kernels (TE, or torch SDPA in FlashCoreAttention) keep
+    # one fp32 log-sum-exp per row and head
     per_score = 4 + (e if s.bf16 else 0)
-    core = 4 * tokens * a if s.te_spec else per_score * a * tokens * min(tokens, s.max_seq)
+    flash = s.te_spec or s.flash_attention
+    core = 4 * tokens * a if flash else per_score * a * tokens * min(tokens, s.max_seq)
     mlp = e * tokens * f * (3 if s.te_spec else 4)
     whole = outside + (attn + core + mlp) / s.tp
     if recompute == "full":
@@ -138,10 +148,122 @@ def _head_bytes(hf: dict[str, Any], s: Setting, tokens: int, backward: bool) -> 
     return logits * (2 if backward else 1) + chunks
 
 
+# megatron-core 0.16.1 module registration order of one decoder layer's parameters (what
+# `named_parameters()` yields and DDP lays out, last first): SelfAttention registers its
+# core_attention, linear_proj, linear_qkv, q/k norms; TE's LayerNormLinear its norm weight first
+_LAYER_ORDER = {
+    "local": ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+              "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+              "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
+              "mlp.linear_fc2.weight"),
+    "te": ("self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
+           "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+           "self_attention.k_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+           "mlp.linear_fc2.weight"),
+}
+
+
+def chunk_parameters(hf: dict[str, Any], *, tp: int, pp: int, stage: int, vpp: int | None = None,
+                     te_spec: bool = False) -> list[list[tuple[str, int, bool]]]:
+    """Each model chunk of one rank of pipeline stage `stage` (one per virtual stage): its
+    parameters in `named_parameters()` order as (name, values on this rank, shared embedding),
+    the last being what Megatron marks `shared_embedding` (the embedding and its output copy
+    when they are tied across pipeline stages).
+
+    Args:
+        hf: the model's HF config.json dict.
+        tp: tensor-parallel size (split parameters hold 1/tp of their values, norms all).
+        pp: pipeline-parallel size.
+        stage: this rank's pipeline stage.
+        vpp: virtual stages per rank (None: one chunk).
+        te_spec: the Transformer Engine spec's names and order (norms fused into the linears).
+    """
+    from checkpoint_tools.adapters import EMBED, FINAL_NORM, OUTPUT, get_adapter, layer_range
+
+    spec = "te" if te_spec else "local"
+    adapter = get_adapter(hf, spec=spec)
+    tied_across = adapter.tied and pp > 1
+    layers, v = hf["num_hidden_layers"], vpp or 1
+    per_chunk = layers // (pp * v)
+    order = {sfx: i for i, sfx in enumerate(_LAYER_ORDER[spec])}
+    suffixes = sorted((m.split(".", 3)[3] for m in adapter.stage_names(0, 1) if m.startswith("decoder.layers.0.")),
+                      key=lambda sfx: order[sfx])
+
+    def numel(name: str) -> int:
+        n = 1
+        for dim in adapter.shape(name, tp):
+            n *= dim
+        return n if adapter.tp_split(name) == "replicated" else n // tp
+
+    chunks = []
+    for c in range(v):
+        first = (c * pp + stage) * per_chunk if vpp else layer_range(stage, pp, layers).start
+        params = [(EMBED, numel(EMBED), tied_across)] if stage == 0 and c == 0 else []
+        params += [(f"decoder.layers.{i}.{sfx}", numel(f"decoder.layers.{i}.{sfx}"), False)
+                   for i in range(first, first + (per_chunk if vpp else len(layer_range(stage, pp, layers))))
+                   for sfx in suffixes]
+        if stage == pp - 1 and c == v - 1:
+            params.append((FINAL_NORM, numel(FINAL_NORM), False))
+            if not adapter.tied or pp > 1:
+                params.append((OUTPUT, numel(OUTPUT), tied_across))
+        chunks.append(params)
+    return chunks
+
+
+def buffer_layout(params: list[tuple[str, int, bool]], dp: int, distributed_optimizer: bool) -> list[dict]:
+    """megatron-core 0.16.1's `_ParamAndGradBuffer` layout of one chunk's parameters (one dtype,
+    `overlap_grad_reduce` off, so no size-based buckets): parameters taken last first; with the
+    distributed optimizer each starts on a multiple of 64 values, a shared-embedding parameter
+    gets a bucket of its own, and each bucket ends on a multiple of lcm(dp, 128). Returns the
+    buckets as {"start", "end", "params": [(start, end)]} in buffer order."""
+    import math
+
+    def pad(n: int, m: int) -> int:
+        return -(-n // m) * m if distributed_optimizer else n
+
+    buckets: list[dict] = []
+    start = bucket_start = 0
+    current: list[tuple[int, int]] = []
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, current
+        padded = pad(end, math.lcm(dp, 128))
+        buckets.append({"start": bucket_start, "end": padded, "params": current})
+        bucket_start, current = padded, []
+        return padded
+
+    for _, n, shared in reversed(params):
+        start = pad(start, 64)
+        own = shared and distributed_optimizer
+        if own and current:
+            start = close(start)
+        current.append((start, start + n))
+        start = close(start + n) if own else start + n
+    if current:
+        close(start)
+    return buckets
+
+
+def _shard_values(buckets: list[dict], dp: int) -> int:
+    """Parameter values in the largest DP rank's shard (each bucket split in dp equal parts)."""
+    best = 0
+    for r in range(dp):
+        held = 0
+        for b in buckets:
+            size = (b["end"] - b["start"]) // dp
+            lo, hi = b["start"] + r * size, b["start"] + (r + 1) * size
+            held += sum(max(0, min(hi, e) - max(lo, s)) for s, e in b["params"])
+        best = max(best, held)
+    return best
+
+
 def state_bytes(hf: dict[str, Any], *, tp: int, pp: int, stage: int, bf16: bool, dp: int = 1,
-                distributed_optimizer: bool = False) -> dict[str, float]:
+                distributed_optimizer: bool = False, vpp: int | None = None, te_spec: bool = False) -> dict[str, float]:
     """Parameter count and the bytes of parameters, fp32 main gradients and optimizer states
-    (fp32 master copy with bf16, Adam's two moments) on one rank of pipeline stage `stage`.
+    (fp32 master copy with bf16, Adam's two moments) on one rank of pipeline stage `stage`:
+    `parameters` and `gradients` count the parameters' own values, `*_allocated` what DDP's
+    buffers hold with the distributed optimizer's padding (`buffer_layout`), `optimizer` the
+    largest DP rank's shard of it.
 
     Args:
         hf: the model's HF config.json dict.
@@ -152,18 +274,23 @@ def state_bytes(hf: dict[str, Any], *, tp: int, pp: int, stage: int, bf16: bool,
             False: fp32 parameters (4 B) and Adam's two moments only (8 B).
         dp: data-parallel size; divides the optimizer states only with `distributed_optimizer`.
         distributed_optimizer: the optimizer states are sharded over `dp` ranks; False: each rank holds all.
+        vpp: virtual pipeline stages per rank (each chunk has a buffer of its own).
+        te_spec: the Transformer Engine spec's parameter order (it moves the padding only).
     """
-    from checkpoint_tools.adapters import get_adapter
-
-    n = get_adapter(hf).rank_numel(stage, pp, tp)
-    shard = dp if distributed_optimizer else 1
-    return {"numel": n, "parameters": n * (2 if bf16 else 4), "gradients": n * 4.0,
-            "optimizer": n * (12 if bf16 else 8) / shard}
+    chunks = chunk_parameters(hf, tp=tp, pp=pp, stage=stage, vpp=vpp, te_spec=te_spec)
+    n = sum(v for params in chunks for _, v, _ in params)
+    layouts = [buffer_layout(params, dp, distributed_optimizer) for params in chunks]
+    padded = sum(b[-1]["end"] for b in layouts if b)
+    pe, opt = (2, 12) if bf16 else (4, 8)
+    held = sum(_shard_values(b, dp) for b in layouts) if distributed_optimizer else n
+    # DDP allocates a parameter buffer (params become views of it) only for the distributed optimizer
+    return {"numel": n, "parameters": n * pe, "gradients": n * 4.0, "optimizer": held * opt,
+            "parameters_allocated": (padded if distributed_optimizer else n) * pe, "gradients_allocated": padded * 4.0}
 
 
 def _stage_rows(hf: dict[str, Any], s: Setting, stage: int) -> list[tuple[str, float, str]]:
     st = state_bytes(hf, tp=s.tp, pp=s.pp, stage=stage, bf16=s.bf16, dp=s.dp,
-                     distributed_optimizer=s.distributed_optimizer)
+                     distributed_optimizer=s.distributed_optimizer, vpp=s.vpp, te_spec=s.te_spec)
     n, pe, opt = st["numel"], 2 if s.bf16 else 4, 12 if s.bf16 else 8
     shard = s.dp if s.distributed_optimizer else 1
     layers = hf["num_hidden_layers"] // s.pp
@@ -172,9 +299,10 @@ def _stage_rows(hf: dict[str, Any], s: Setting, stage: int) -> list[tuple[str, f
     kept, rerun = _layer_bytes(hf, s, s.micro_batch_tokens, s.recompute)
     last = stage == s.pp - 1
     head = _head_bytes(hf, s, s.micro_batch_tokens, backward=True) if last else 0.0
+    padded = " (padded buffer)" if s.distributed_optimizer else ""
     rows = [
-        ("parameters", st["parameters"], f"{n / 1e6:,.1f} M params on this rank x {pe} B"),
-        ("gradients (fp32 main_grad)", st["gradients"], "x 4 B (grad_reduce_in_fp32)"),
+        ("parameters", st["parameters_allocated"], f"{n / 1e6:,.1f} M params on this rank x {pe} B{padded}"),
+        ("gradients (fp32 main_grad)", st["gradients_allocated"], f"x 4 B (grad_reduce_in_fp32){padded}"),
         ("optimizer (Adam" + (", fp32 master)" if s.bf16 else ")"), st["optimizer"],
          f"x {opt} B" + (f" / dp={s.dp} (distributed optimizer)" if shard > 1 else "")),
         ("activations", kept * layers * in_flight * vpp + rerun,
@@ -232,7 +360,8 @@ def setting_of(cfg, spec: str | None = None) -> Setting:
         distributed_optimizer=dist_opt,
         micro_batch_tokens=max(lc.micro_batch_tokens, max_seq),  # a longer row travels alone
         recompute_tokens=max(lc.recompute_tokens, max_seq), max_seq=max_seq, multiple=multiple,
-        gpu_gib=lc.gpu_memory_gib, engine_fraction=lc.engine_memory_fraction, on_gpu=on_gpu)
+        gpu_gib=lc.gpu_memory_gib, engine_fraction=lc.engine_memory_fraction, on_gpu=on_gpu,
+        flash_attention=model.attention != "dot_product")
 
 
 def _alternatives(s: Setting) -> list[tuple[str, Setting]]:

@@ -3,8 +3,10 @@
 What it is: `transformer_config` is THE one function turning a Hugging Face config.json of a
 family the converter maps (Qwen3: q/k RMSNorm; Qwen2: q/k/v biases; Llama: neither; tied or
 untied embeddings) plus our model/parallel configs into a `TransformerConfig`; `build_model`
-builds this rank's `GPTModel` chunk(s) with the layer spec of that family, local (CPU) or
-Transformer Engine (GPU, optional FP8 recipe, sequence parallel); `load_hf_weights` fills them
+builds this rank's `GPTModel` chunk(s) with the layer spec of that family, local (CPU, or a GPU
+without TE; its core attention `attention.FlashCoreAttention` unless `model.attention=dot_product`)
+or Transformer Engine (GPU, optional FP8 recipe, sequence parallel), every parameter in
+`params_dtype`; `load_hf_weights` fills them
 from the HF safetensors through the `checkpoint_tools` adapter (the same name mapping that
 weight export uses).
 What it is not: parallel setup (`parallel.py`) or the training loop.
@@ -84,6 +86,13 @@ def resolve_spec(model_cfg: ModelConfig, on_gpu: bool, par: ParallelConfig | Non
                            f"resolved to {spec!r}: CUDA and transformer_engine are required); set "
                            "parallel.sequence_parallel=false")
     return spec
+
+
+def resolve_attention(model_cfg: ModelConfig, spec: str) -> str | None:
+    """The local spec's core attention ("flash" | "dot_product"); None on the TE spec (TE's own)."""
+    if spec == "te":
+        return None
+    return "flash" if model_cfg.attention == "auto" else model_cfg.attention
 
 
 def resolve_dtype(model_cfg: ModelConfig, on_gpu: bool) -> torch.dtype:
@@ -183,17 +192,31 @@ def transformer_config(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, *,
     )
 
 
-def layer_spec(spec: str, family: ArchFamily):
+def layer_spec(spec: str, family: ArchFamily, attention: str | None = "flash"):
     """The decoder-layer ModuleSpec of `family` (q/k norm modules only where the family has
-    them; biases follow `TransformerConfig.add_qkv_bias`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
+    them; biases follow `TransformerConfig.add_qkv_bias`); the local spec's core attention is
+    `attention` (`attention.local_layer_spec`)."""
     if spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_norm)
-    return get_gpt_layer_local_spec(qk_layernorm=family.qk_norm, normalization="RMSNorm")
+    from megatron_darl.learner.attention import local_layer_spec
+
+    return local_layer_spec(family.qk_norm, attention or "flash")
+
+
+@torch.no_grad()
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Every floating-point parameter of `module` in `dtype` (megatron-core's local spec builds
+    its RMSNorms with torch's default fp32 whatever `params_dtype` says); returns how many were
+    cast. Run before DDP builds its buffers: they are laid out by parameter dtype, and the
+    optimizer keeps fp32 master copies of the `dtype` ones."""
+    cast = 0
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast += 1
+    return cast
 
 
 def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on_gpu: bool) -> list:
@@ -208,6 +231,7 @@ def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on
 
     config = transformer_config(hf, model_cfg, par, on_gpu=on_gpu)
     spec = resolve_spec(model_cfg, on_gpu, par)
+    attention = resolve_attention(model_cfg, spec)
     family = architecture(hf)
     vocab = padded_vocab_size(hf["vocab_size"], par.tp, model_cfg.make_vocab_size_divisible_by)
     chunks = []
@@ -215,7 +239,7 @@ def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on
         vp_stage = vp if par.vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec, family),
+            transformer_layer_spec=layer_spec(spec, family, attention),
             vocab_size=vocab,
             max_sequence_length=hf.get("max_position_embeddings", 4096),
             pre_process=is_pp_first_stage(pg.pp) and is_vp_first_stage(vp, par.vpp),
@@ -227,6 +251,7 @@ def build_model(hf: dict, model_cfg: ModelConfig, par: ParallelConfig, pg, *, on
             pg_collection=pg,
             vp_stage=vp_stage,
         )
+        cast_parameters(model, config.params_dtype)
         chunks.append(model.to(torch.cuda.current_device() if on_gpu else "cpu"))
     return chunks
 

@@ -108,11 +108,20 @@ def pack_rows(rows: np.ndarray, lengths: np.ndarray, budget_tokens: int) -> list
     return [np.array(mb, dtype=np.int64) for mb in out]
 
 
+def to_device(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; on CUDA through pinned memory without waiting (a pageable copy
+    would wait for the work already queued, e.g. the previous optimizer step)."""
+    t = torch.as_tensor(np.ascontiguousarray(a), dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, live: bool = True) -> dict:
     """Tensors of one micro-batch, trimmed to its longest row. `live=False` zeroes the loss mask
     (a placeholder micro-batch for a DP rank that got no rows, so collectives still line up)."""
     width = int(batch.lengths[rows].max())
-    t = lambda a, dt: torch.as_tensor(np.ascontiguousarray(a[rows][:, :width]), dtype=dt, device=device)  # noqa: E731
+    t = lambda a, dt: to_device(a[rows][:, :width], dt, device)  # noqa: E731
     mask = t(batch.loss_mask, torch.float32)
     mb = {
         "rows": rows,
@@ -120,8 +129,8 @@ def micro_batch(batch: TrainBatch, rows: np.ndarray, device: torch.device, *, li
         "tokens": t(batch.tokens, torch.long),
         "loss_mask": mask if live else torch.zeros_like(mask),
         "behav_logprobs": t(batch.behav_logprobs, torch.float32),
-        "advantages": torch.as_tensor(batch.advantages[rows], dtype=torch.float32, device=device),
-        "versions": torch.as_tensor(batch.versions[rows], dtype=torch.long, device=device),
+        "advantages": to_device(batch.advantages[rows], torch.float32, device),
+        "versions": to_device(batch.versions[rows], torch.long, device),
     }
     if batch.token_versions is not None:  # each token's own version (-1 off the response: the row's)
         tv = t(batch.token_versions, torch.long)

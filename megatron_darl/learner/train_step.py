@@ -24,6 +24,7 @@ from megatron_darl.algo.config import AlgoConfig
 from megatron_darl.config.learner import LearnerConfig, OptimConfig
 from megatron_darl.learner.collectives import all_gather_json, broadcast_json
 from megatron_darl.learner.logprobs import run_schedule
+from megatron_darl.learner.optim_step import optimizer_step, use_sync_free_adam
 from megatron_darl.learner.packing import rank_micro_batches, split_minibatches
 from megatron_darl.types import TrainBatch
 
@@ -53,6 +54,7 @@ def setup_training(chunks: list, optim: OptimConfig, pg, *, on_gpu: bool):
         bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=use_dist,
     )
     optimizer = get_megatron_optimizer(opt_cfg, ddp, use_gloo_process_groups=False, pg_collection=pg)
+    use_sync_free_adam(optimizer)  # torch's AdamW (no apex/TE): fused on CUDA, foreach on CPU
     warmup = optim.lr_warmup_steps
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
@@ -196,11 +198,13 @@ def policy_loss(a: AlgoConfig, consts: dict, mb: dict, logp: torch.Tensor, entro
         loss, m = algo.darl_policy_loss(logp, prox, behav, adv, mask, mb["versions"], **_is_kwargs(a),
                                         pmis=consts["pmis"], beta=consts["beta"], version_token_counts=consts["counts"],
                                         behav_logp_by_version=by_version, mixture_counts=consts.get("mix"),
-                                        **common, **_behav_clip(a))
+                                        anchor=a.trust_anchor, **common, **_behav_clip(a))
     elif a.policy_loss == "sg_weight":
         loss, m = algo.sg_policy_loss(logp, behav, adv, mask, threshold=a.rollout_is_threshold, loss_denominator=den)
     else:
         raise ValueError(f"algorithm.policy_loss={a.policy_loss!r}; allowed: ppo, decoupled, darl, sg_weight")
+    # the clip of naive async, whatever this loss's own anchor: one figure comparable across cells
+    m["algo/clip_frac_behavior"] = algo.behavior_clip_fraction(logp, behav, adv, mask, den=den, **common)
     ent = torch.where(mask, entropy, torch.zeros_like(entropy)).sum() / den
     if a.entropy_coef:
         loss = loss - a.entropy_coef * ent
@@ -209,21 +213,47 @@ def policy_loss(a: AlgoConfig, consts: dict, mb: dict, logp: torch.Tensor, entro
     return loss, metrics
 
 
-def _sum_metrics(dicts: list[dict]) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _sum_metrics(dicts: list[dict]) -> dict[str, torch.Tensor]:
+    """Per-key sums over micro-batches, float64 0-dim tensors left on their device (no read)."""
+    out: dict[str, torch.Tensor] = {}
     for d in dicts:
         for k, v in d.items():
-            out[k] = out.get(k, 0.0) + float(v)
+            v = torch.as_tensor(v).detach().to(torch.float64)
+            out[k] = out[k] + v if k in out else v
     return out
 
 
-def reduce_head_metrics(outs: list[dict], pg, device) -> dict[str, float]:
-    """Sum the micro-batch metrics over micro-batches and DP ranks (they are all normalised by
-    the whole minibatch), then hand the last pipeline stage's result to every stage."""
-    local = _sum_metrics(outs)
-    summed = _sum_metrics(all_gather_json(local, pg.dp, device))
-    last = dist.get_global_rank(pg.pp, pg.pp.size() - 1)
-    return broadcast_json(summed, last, pg.pp, device)
+def reduce_head_metrics(steps: list[dict], pg, device) -> list[dict[str, float]]:
+    """The metrics of each optimizer step of a train step, read in one device-to-host
+    transfer. `steps`: per optimizer step, the micro-batch metric sums (`_sum_metrics`, normalised
+    by the whole minibatch: they add up over micro-batches and DP ranks) and `grad_norm` (a
+    device scalar, the same on every rank). The sums are added over DP ranks and handed from
+    the last pipeline stage to every stage; the key names cross ranks as JSON (a few small
+    reads, whatever the model's size) only when DP or PP is larger than 1."""
+    keys = [sorted(st["sums"]) for st in steps]
+    multi = pg.dp.size() > 1 or pg.pp.size() > 1
+    if multi:  # ranks may hold different keys (e.g. per-version metrics): take the union
+        gathered = all_gather_json(keys, pg.dp, device)
+        keys = [sorted({k for rank in gathered for k in rank[i]}) for i in range(len(steps))]
+        last = dist.get_global_rank(pg.pp, pg.pp.size() - 1)
+        keys = broadcast_json(keys, last, pg.pp, device)
+    zero, empty = (torch.zeros(n, dtype=torch.float64, device=device) for n in ((), (0,)))
+    rows = [torch.stack([st["sums"].get(k, zero).to(device) for k in ks]) if ks else empty
+            for st, ks in zip(steps, keys)]
+    sums = torch.cat(rows) if rows else empty
+    if multi:
+        dist.all_reduce(sums, group=pg.dp)
+        dist.broadcast(sums, src=last, group=pg.pp)
+    norms = torch.stack([zero if st["grad_norm"] is None else st["grad_norm"].to(device, torch.float64)
+                         for st in steps])
+    values = torch.cat([sums, norms]).tolist()  # the one transfer
+    out, at = [], 0
+    for ks in keys:
+        out.append(dict(zip(ks, values[at:at + len(ks)])))
+        at += len(ks)
+    for i, m in enumerate(out):
+        m["train/grad_norm"] = values[at + i]
+    return out
 
 
 def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig, lc: LearnerConfig, *,
@@ -259,7 +289,7 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig
     if a.uses_proximal and batch.prox_logprobs is None:
         raise ValueError(f"policy_loss={a.policy_loss} old_logprob={a.old_logprob} needs batch.prox_logprobs")
     start = time.perf_counter()
-    per_step: list[dict[str, float]] = []
+    steps: list[dict] = []
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
     whole, batch_metrics = minibatch_constants(a, batch, np.arange(batch.batch_size), beta, pmis, prox_version)
     batch_metrics = {**weight_diagnostics(a, batch, whole), **batch_metrics}
@@ -273,11 +303,10 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig
                             pg=pg, head=partial(policy_loss, a, consts))
         scheduler.step(increment=1)  # optimizer step i (1-based) runs at the schedule's lr(i)
         lr = float(optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = optimizer.step()
-        metrics = reduce_head_metrics(outs, pg, device)
-        metrics.update({"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok),
-                        "train/lr": lr})
-        per_step.append(metrics)
+        ok, grad_norm = optimizer_step(optimizer, device)  # nothing read from the device
+        steps.append({"sums": _sum_metrics(outs), "grad_norm": grad_norm,
+                      "host": {"train/update_skipped": float(not ok), "train/lr": lr}})
+    per_step = [{**m, **st["host"]} for m, st in zip(reduce_head_metrics(steps, pg, device), steps)]
     elapsed = time.perf_counter() - start
     out = {k: float(np.mean([m[k] for m in per_step if k in m])) for k in dict.fromkeys(k for m in per_step for k in m)}
     out.update(batch_metrics)  # one source: the whole batch's weights, not a mean over minibatches
@@ -297,8 +326,8 @@ def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict) -> dict[st
     configured loss multiplies its surrogate by (`whole`: the batch's `minibatch_constants`):
     ESS fraction, rho mean/max/p99 and token share, global and per version, KL(mu || pi_prox)
     k1/k2/k3; plus the weight function's own fractions (capped, truncated, masked, vetoed).
-    Losses without behavior weights (naive and synchronous PPO, sg_weight) get only KL, and
-    only when proximal log-probs exist."""
+    Losses without behavior weights (naive and synchronous PPO, sg_weight) get KL and the ESS of
+    the weights they do not apply (`algo.drift_diagnostics`), when proximal log-probs exist."""
     if batch.prox_logprobs is None:
         return {}
     prox, behav = (torch.as_tensor(x, dtype=torch.float32) for x in (batch.prox_logprobs, batch.behav_logprobs))
@@ -320,11 +349,8 @@ def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict) -> dict[st
                                               mixture_counts=whole.get("mix"))
     else:
         rho = None
-    if rho is None:
-        out = dict(algo.kl_estimates(prox, behav, mask))
-        for k in torch.unique(versions).tolist():
-            rows = mask & (versions == k).unsqueeze(-1)
-            out.update({f"{n}/v{k}": v for n, v in algo.kl_estimates(prox, behav, rows).items()})
+    if rho is None:  # no weight in the loss: the drift itself, and the ESS of the uncorrected exp(p - b)
+        out = algo.drift_diagnostics(prox, behav, mask, versions)
     else:
         out = {**algo.diagnostics(prox, behav, mask, versions, weights=rho), **out}
     return {k: float(v) for k, v in out.items()}

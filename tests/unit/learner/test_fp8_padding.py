@@ -22,8 +22,10 @@ def test_padded_widths_are_aligned(runs):
 
 def test_padding_changes_neither_logprobs_loss_nor_gradients(runs):
     plain, padded = runs["1"], runs["16"]
-    for key in ("logprobs0", "logprobs1"):
-        assert np.abs(np.asarray(plain[key]) - np.asarray(padded[key])).max() < 1e-6, key
+    # the flash kernel's key blocks follow the padded width: fp32 round-off (~5e-7 in the first
+    # log-probs, ~4e-8 in the gradients), which one Adam step (lr 1e-3, normalised) moves to ~2e-6
+    for key, tol in (("logprobs0", 1e-6), ("logprobs1", 1e-5)):
+        assert np.abs(np.asarray(plain[key]) - np.asarray(padded[key])).max() < tol, key
     for m in ("train/loss", "train/grad_norm", "train/entropy", "algo/ppo_kl"):
         assert abs(plain["metrics"][m] - padded["metrics"][m]) < 1e-6, m
     g0, g1 = np.asarray(plain["grads"]), np.asarray(padded["grads"])

@@ -25,23 +25,85 @@ def hf_dir(tmp_path_factory):
 
 
 def test_local_spec_bf16_distributed_optimizer_trains(hf_dir, tmp_path):
+    """The local spec without TE: it trains, resumes, and runs SDPA's flash kernel (GQA, bf16) with
+    the log-probs of DotProductAttention to bf16 precision, every parameter in bf16 (norms
+    included), and a 4096-token step that keeps less than the [s, s] scores did."""
+    import numpy as np
+    import torch.multiprocessing as mp
+
     out = W.launch("gpu", {"hf_dir": hf_dir, "spec": "local", "fp8": None, "dtype": "bf16",
                            "ckpt": str(tmp_path / "ckpt")}, 1, str(tmp_path))
     assert out["distributed_optimizer"] and out["losses"][-1] < out["losses"][0]
     assert out["resume_diff"] < 1e-5  # save/load of the sharded distributed-optimizer state
     assert 0 < out["mfu"] < 1
     assert out["max_logprob_diff_vs_fp32_reference"] < 0.1  # bf16 forward near the fp32 HF model
+    path = str(tmp_path / "flash.pt")
+    mp.start_processes(_flash_worker, args=(hf_dir, path), nprocs=1, start_method="spawn")
+    got = torch.load(path)
+    flash, ref = got["flash"], got["dot_product"]
+    assert (flash["core"], ref["core"]) == ("FlashCoreAttention", "DotProductAttention")
+    assert flash["dtypes"] == ["torch.bfloat16"]
+    assert np.abs(np.asarray(flash["logprobs"]) - np.asarray(ref["logprobs"])).max() < 0.05
+    assert flash["step_peak"] < 0.5 * ref["step_peak"], (flash["step_peak"], ref["step_peak"])
 
 
 def test_a_fresh_process_resumes_the_distributed_optimizer(hf_dir, tmp_path):
     """What a Slurm requeue does: load in a process that has taken no step. Without apex/TE,
-    megatron-core 0.16.1 asserted on torch Adam's empty per-parameter state."""
+    megatron-core 0.16.1 asserted on torch Adam's empty per-parameter state. What resume
+    promises: the step after the load is the step the saving process took next (the fused
+    AdamW's step counts come back on the GPU)."""
     args = {"hf_dir": hf_dir, "ckpt": str(tmp_path / "ckpt")}
     first = W.launch("gpu_resume", {**args, "save": True}, 1, str(tmp_path))
     again = W.launch("gpu_resume", {**args, "save": False}, 1, str(tmp_path))
-    assert again["extra"] == {"k": 1} and again["step"] == 1
-    for m in ("train/loss", "train/grad_norm"):
+    assert again["extra"] == {"k": 1}
+    assert again["next"]["train/step"] == first["next"]["train/step"] == 2.0  # saved at 1, then one step
+    for m in ("train/loss", "train/grad_norm", "train/lr"):
         assert abs(first["next"][m] - again["next"][m]) < 1e-5, m
+    assert first["next"]["train/grad_norm"] > 0  # not a comparison of zeros
+
+
+def _long_batch(tokens: int):
+    """One row of `tokens` random tokens, all but a 4-token prompt scored."""
+    import numpy as np
+
+    from megatron_darl.types import TrainBatch
+
+    rng = np.random.RandomState(0)
+    mask = np.ones((1, tokens), np.float32)
+    mask[:, :4] = 0
+    return TrainBatch(tokens=rng.randint(0, 256, (1, tokens)).astype(np.int64), lengths=np.array([tokens]),
+                      loss_mask=mask, advantages=np.ones(1, np.float32),
+                      behav_logprobs=np.full((1, tokens), -5.0, np.float32),
+                      token_versions=np.zeros((1, tokens), np.int64), versions=np.zeros(1, np.int64),
+                      group_index=np.zeros(1, np.int64), rewards=np.zeros(1, np.float32),
+                      prompt_ids=np.zeros(1, np.int64))
+
+
+def _flash_worker(rank: int, hf_dir: str, out: str) -> None:
+    """One CUDA rank, local spec, bf16: the flash core attention against DotProductAttention."""
+    from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megatron_darl.learner.megatron_learner import MegatronLearner
+
+    results, long = {}, _long_batch(4096)
+    for attention in ("flash", "dot_product"):
+        learner = MegatronLearner(
+            ModelConfig(hf_dir=hf_dir, spec="local", dtype="bf16", attention=attention), ParallelConfig(),
+            OptimConfig(lr=1e-4), LearnerConfig(micro_batch_tokens=4096),
+            W.learner_algo("ppo", old_logprob="behavior", ppo_n_minibatches=1))
+        batch = W.make_batch()
+        lp = learner.compute_logprobs(batch)
+        learner.train_step(long)  # optimizer state allocated before the measured step
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        learner.train_step(long)
+        torch.cuda.synchronize()
+        results[attention] = {
+            "core": type(learner.chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
+            "dtypes": sorted({str(p.dtype) for c in learner.chunks for p in c.parameters()}),
+            "logprobs": lp.tolist(), "step_peak": torch.cuda.max_memory_allocated() - base}
+        learner.close(keep_world=attention == "flash")
+    torch.save(results, out)
 
 
 @pytest.mark.skipif(not _have_te(), reason="needs transformer_engine")
