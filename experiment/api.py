@@ -2,7 +2,8 @@
 
 What it is: `METHODS`, each method of the suite as the `darl-train` overrides that make it
 (sync, naive async, decoupled PPO with AReaL's cap and with verl's token IS, the two of them with
-replay over D-ARL's window, D-ARL and its ablations); `darl_window`, the window K at staleness
+replay over D-ARL's window, D-ARL and its ablations; the preregistered experiment's decoupled
+PPO at a larger rate and the five D-ARL variants, `DARL_VARIANTS`); `darl_window`, the window K at staleness
 eta; `RunSpec`, one training run (method, staleness eta, learning rate, seed, phase);
 `RunResult`, what a finished run measured (its held-out accuracy curve against steps, generated
 samples and wall-clock, the staleness it actually reached, its minimum ESS, its wall time).
@@ -30,11 +31,20 @@ class Method:
     eta_free: bool = False
     tune_as: str | None = None  # ablations use the learning rate tuned for this method
     depth: int | None = None  # replay depth: runs with algo.k = eta + depth (`darl_window`); None: no window
+    lr: float | None = None  # a learning rate of its own (the budget sizes); None: the size's
 
 
 def _darl(*extra: str) -> tuple[str, ...]:
-    return ("algo.policy_loss=darl", "algo.replay=true", "algo.sg=true", "algo.pmis=true",
-            "algo.pmis_beta=ess", *extra)
+    """D-ARL's overrides, a key that `extra` sets given once (its value from `extra`)."""
+    base = ("algo.policy_loss=darl", "algo.replay=true", "algo.sg=true", "algo.pmis=true", "algo.pmis_beta=ess")
+    keys = {e.split("=", 1)[0] for e in extra}
+    return (*(b for b in base if b.split("=", 1)[0] not in keys), *extra)
+
+
+def _darl_published(*extra: str) -> tuple[str, ...]:
+    """The published D-ARL and its ablations: selection may let a reused group displace a
+    never-trained one (`algo.sg_new_first=false`), the code path their published runs took."""
+    return _darl("algo.sg_new_first=false", *extra)
 
 
 # Replay depth: the behavior versions a group can be replayed from. New data of step t is of
@@ -62,17 +72,38 @@ _METHODS = [
            depth=REPLAY_DEPTH),
     Method("decoupled_replay", "decoupled, AReaL cap 5, + replay", (*REPLAY_FIFO, "algo.policy_loss=decoupled",
                                                                     "algo.behav_weight_cap=5.0"), depth=REPLAY_DEPTH),
-    Method("darl", f"D-ARL (K = eta + {REPLAY_DEPTH})", _darl(), depth=REPLAY_DEPTH),
-    Method("darl_nosel", "D-ARL, no selection", _darl("algo.sg=false"), ablation=True, tune_as="darl",
+    Method("darl", f"D-ARL (K = eta + {REPLAY_DEPTH})", _darl_published(), depth=REPLAY_DEPTH),
+    Method("darl_nosel", "D-ARL, no selection", _darl_published("algo.sg=false"), ablation=True, tune_as="darl",
            depth=REPLAY_DEPTH),
-    Method("darl_nopmis", "D-ARL, no per-version objective", _darl("algo.pmis=false"), ablation=True,
+    Method("darl_nopmis", "D-ARL, no per-version objective", _darl_published("algo.pmis=false"), ablation=True,
            tune_as="darl", depth=REPLAY_DEPTH),
-    *[Method(f"darl_d{d}", f"D-ARL, replay depth {d} (K = eta + {d})", _darl(), ablation=True, tune_as="darl",
-             depth=d) for d in DEPTH_ABLATIONS],
+    *[Method(f"darl_d{d}", f"D-ARL, replay depth {d} (K = eta + {d})", _darl_published(), ablation=True,
+             tune_as="darl", depth=d) for d in DEPTH_ABLATIONS],
 ]
-METHODS: dict[str, Method] = {m.name: m for m in _METHODS}
 MAIN_METHODS = [m.name for m in _METHODS if not m.ablation]
 ABLATIONS = [m.name for m in _METHODS if m.ablation]
+
+# The preregistered experiment's cells beyond the published ones: decoupled PPO without replay at
+# the larger step a replay cell takes more often, and D-ARL read with the PPO clip anchored at
+# each sample's own behavior policy (`behavior`) or at the balance mixture of the behavior
+# policies (`mixture`), with selection that never lets a reused group displace a never-trained
+# one (the default `algo.sg_new_first=true`), all at D-ARL's replay depth.
+HIGH_LR = 2e-4
+_PREREG_METHODS = [
+    Method("decoupled_hi_lr", f"decoupled, AReaL cap 5, lr {HIGH_LR:g}", (*BASELINE_OFF, "algo.policy_loss=decoupled",
+                                                                          "algo.behav_weight_cap=5.0"), lr=HIGH_LR),
+    Method("darl_behav", "D-ARL, behavior-anchored clip", _darl("algo.trust_anchor=behavior"), depth=REPLAY_DEPTH),
+    Method("darl_behav_tokens", "D-ARL, behavior-anchored, beta = tokens",
+           _darl("algo.trust_anchor=behavior", "algo.pmis_beta=tokens"), depth=REPLAY_DEPTH),
+    Method("darl_mixture", "D-ARL, clip against the balance mixture",
+           _darl("algo.trust_anchor=mixture", "algo.pmis_beta=balance"), depth=REPLAY_DEPTH),
+    Method("darl_behav_abs", "D-ARL, behavior-anchored, absolute gate 0.04",
+           _darl("algo.trust_anchor=behavior", "algo.sg_tau_abs=0.04"), depth=REPLAY_DEPTH),
+    Method("darl_behav_nosel", "D-ARL, behavior-anchored, no selection",
+           _darl("algo.trust_anchor=behavior", "algo.sg=false"), depth=REPLAY_DEPTH),
+]
+DARL_VARIANTS = tuple(m.name for m in _PREREG_METHODS if m.name.startswith("darl"))
+METHODS: dict[str, Method] = {m.name: m for m in (*_METHODS, *_PREREG_METHODS)}
 DECOUPLED = ("decoupled_areal", "decoupled_verl")
 
 
@@ -188,6 +219,11 @@ class RunResult:
     ess_oldest: float | None = None  # ESS fraction of the step's oldest behavior version (`algo/ess_frac/v{k}`)
     kl_k3: float | None = None  # KL(mu || pi_prox) estimate k3 over the batch (`algo/kl_k3`)
     reused_frac: float | None = None  # share of trained groups trained before (`replay/reused_frac`)
+    clip_frac_behavior: float | None = None  # share of tokens a clip anchored at mu acts on (`algo/clip_frac_behavior`)
+    # the run's totals, from the last metrics row that logs them (None where no row does, as in
+    # runs made before the counter existed: unknown, not 0):
+    evicted_untrained: float | None = None  # groups that left the replay pool never trained
+    filtered_groups: float | None = None  # groups selection filtered out (`replay/filtered_groups`)
 
     @property
     def final_accuracy(self) -> float:

@@ -1,7 +1,9 @@
 """Which runs the experiment makes: sizes, the learning-rate tuning phase and the main grid.
 
 What it is: `Size` (methods, etas, seeds, steps, the learning-rate grid, the tuning eta and
-seeds, and the run settings every run shares), four sizes: `SIZES["budget"]` (the
+seeds, and the run settings every run shares), five sizes: `SIZES["budget2"]` (the
+preregistered two-phase experiment on the budget size's testbed: `PREREG`, experiment/prereg.py),
+`SIZES["budget"]` (the
 sample budget as the stop, two regimes (`Regime`), a disjoint test split, the baseline, three
 replay cells and D-ARL's two ablations, 5 seeds; `budget_steps` estimates its steps),
 `SIZES["seeds"]` (the comparison in the seeds' regime, the script's default: eta = 1, K = 4,
@@ -28,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from experiment.analysis import auc
-from experiment.api import ABLATIONS, MAIN_METHODS, METHODS, REPLAY_DEPTH, RunResult, RunSpec, Setting
+from experiment.api import ABLATIONS, DARL_VARIANTS, MAIN_METHODS, METHODS, REPLAY_DEPTH, RunResult, RunSpec, Setting
+from experiment.prereg import Prereg
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Size:
     baseline: str = "decoupled_areal"
     accuracy_eval: str = "greedy"  # greedy | sampled (avg@eval.sampled_k at temperature 1)
     gain_gate: float = 0.0  # the baseline runs first; below this mean gain in any regime, stop before the rest
+    prereg: Prereg | None = None  # a preregistered two-phase budget experiment: its phases (`seeds` are phase A's)
 
     def grid(self) -> list[Setting]:
         return [Setting(lr, mb) for lr in sorted(self.lr_grid) for mb in (sorted(self.mb_grid) or (None,))]
@@ -112,6 +116,10 @@ class Size:
                         "(its accuracy is the target)")
         if self.accuracy_eval not in ("greedy", "sampled"):
             errs.append(f"accuracy_eval={self.accuracy_eval!r}: greedy or sampled")
+        if self.prereg is not None:
+            from experiment.prereg import check
+
+            errs += check(self)
         return errs
 
 
@@ -158,6 +166,25 @@ _BUDGET_SETTINGS = ("train.batch_prompts=32", "train.steps=2000", "eval.num_prob
 REGIMES = (Regime("gen", 1, ("demo.min_step_s=0",), "generation-bound: unpaced learner, eta = 1"),
            Regime("stale", 4, ("demo.min_step_s=1.0",), "staleness-bound: learner paced to >= 1 s a step, eta = 4"))
 
+# The preregistered two-phase experiment (experiment/prereg.py): the same testbed as `budget`, whose
+# published runs stay reproducible under their own size. Phase A (exploration, seeds 0-4, both
+# regimes) reruns the published cells (the learner's optimizer and D-ARL's selection changed in the
+# same release, so their published runs are not this code's), adds naive async and decoupled PPO
+# at the larger rate without replay, and the five D-ARL variants; phase B (confirmation) runs the
+# variant phase A chose against each regime's best baseline on fresh seeds from 5, as many as the
+# power rule asks; a second task (3-digit chain_sum) is a secondary family, gated on the
+# baseline's gain there.
+PREREG = Prereg(candidates=DARL_VARIANTS,
+                baselines=("decoupled_areal", "naive", "decoupled_hi_lr", "naive_replay", "decoupled_replay"),
+                references=("darl",),
+                secondary_task=("data.dataset_kwargs.min_digits=3", "data.dataset_kwargs.max_digits=3"),
+                secondary_label="chain_sum, two 3-digit terms")
+
+# Every cell of the preregistered experiment recomputes the proximal log-probs: the naive cells'
+# loss does not read them (its maths is unchanged) but their ESS, KL and clip diagnostics do, so
+# that every cell logs the same figures and pays the same forward pass per step.
+_PREREG_SETTINGS = (*_BUDGET_SETTINGS, "algo.recompute_proximal=true")
+
 SIZES: dict[str, Size] = {
     "quick": Size(
         name="quick", methods=("decoupled_areal", "darl"), ablations=(), etas=(1,),
@@ -178,6 +205,11 @@ SIZES: dict[str, Size] = {
         ablations=("darl_nosel", "darl_nopmis"), etas=tuple(sorted({r.eta for r in REGIMES})), seeds=(0, 1, 2, 3, 4),
         lr_grid=(1e-4,), tune_eta=1, tune_seeds=(0,), steps=2000, every=0, settings=_BUDGET_SETTINGS, tune=False,
         budget=BUDGET, every_samples=BUDGET_EVERY, regimes=REGIMES, ablation_regimes=("gen",), gain_gate=0.08),
+    "budget2": Size(
+        name="budget2", methods=(*PREREG.baselines, *PREREG.references, *PREREG.candidates), ablations=(),
+        etas=tuple(sorted({r.eta for r in REGIMES})), seeds=(0, 1, 2, 3, 4), lr_grid=(1e-4,), tune_eta=1,
+        tune_seeds=(0,), steps=2000, every=0, settings=_PREREG_SETTINGS, tune=False, budget=BUDGET,
+        every_samples=BUDGET_EVERY, regimes=REGIMES, gain_gate=0.08, prereg=PREREG),
 }
 
 
@@ -260,7 +292,7 @@ def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
     specs: list[RunSpec] = []
     if size.budget:  # every method in every regime, the ablations in theirs
         g = size.grid()[0]
-        return [RunSpec(m, r.eta, g.lr, s, g.minibatches, regime=r.name) for r in size.regimes
+        return [RunSpec(m, r.eta, METHODS[m].lr or g.lr, s, g.minibatches, regime=r.name) for r in size.regimes
                 for m in (*size.methods, *(size.ablations if r.name in size.ablation_regimes else ()))
                 for s in size.seeds]
     if not size.tune:  # every method at every setting: the rate is a factor of the design

@@ -105,6 +105,8 @@ def _run_json(r: RunResult) -> dict:
             "staleness_mean": r.staleness_mean, "staleness_max": r.staleness_max, "ess_min": r.ess_min,
             "train_wall_s": r.train_wall_s, "samples_generated": r.samples_generated, "cost": r.run_cost,
             "clip_frac": r.clip_frac, "ess_oldest": r.ess_oldest, "kl_k3": r.kl_k3, "reused_frac": r.reused_frac,
+            "clip_frac_behavior": r.clip_frac_behavior, "evicted_untrained": r.evicted_untrained,
+            "filtered_groups": r.filtered_groups,
             "curve": {"steps": r.curve.steps, "samples": r.curve.samples, "wall_s": r.curve.wall_s,
                       "accuracy": r.curve.accuracy, "marks": r.curve.marks, "sampled": r.curve.sampled}}
 

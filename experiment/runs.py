@@ -5,7 +5,8 @@ copied into every run, so all runs and seeds start from the same weights), `run_
 (one `darl-train` subprocess per `RunSpec`, skipped when its folder already holds the finished
 run with the same overrides; a half-finished folder is removed and the run redone from the
 start, so that its wall-clock curve is one uninterrupted run), and `read_result` (the curve,
-staleness, ESS and wall time of a finished run from its `summary.json` and `metrics.jsonl`).
+staleness, ESS, wall time and replay totals of a finished run from its `summary.json` and
+`metrics.jsonl`).
 What it is not: the choice of runs (`plan.py`) or their statistics (`analysis.py`).
 """
 
@@ -150,12 +151,23 @@ def _oldest_ess(row: dict) -> float | None:
 
 
 def drift_diagnostics(rows: list[dict]) -> dict:
-    """Means over the steps of the PPO clip fraction, the oldest version's ESS fraction, the
-    k3 KL estimate and the reused share of the batch (RunResult's drift fields)."""
+    """Means over the steps of the PPO clip fraction (against the loss's anchor and against the
+    behavior policy), the oldest version's ESS fraction, the k3 KL estimate and the reused share
+    of the batch (RunResult's drift fields)."""
     return {"clip_frac": _mean(r.get("train/clip_frac") for r in rows),
+            "clip_frac_behavior": _mean(r.get("algo/clip_frac_behavior") for r in rows),
             "ess_oldest": _mean(_oldest_ess(r) for r in rows),
             "kl_k3": _mean(r.get("algo/kl_k3") for r in rows),
             "reused_frac": _mean(r.get("replay/reused_frac") for r in rows)}
+
+
+def last_total(rows: list[dict], key: str) -> float | None:
+    """A cumulative counter's value in the last row that logs it: the run's total. None where no
+    row logs it (a run made before the counter existed: unknown, not 0)."""
+    for r in reversed(rows):
+        if key in r:
+            return _finite(r[key])
+    return None
 
 
 def read_curve(spec: RunSpec, run_dir: str, summary: dict, rows: list[dict]) -> Curve:
@@ -212,4 +224,6 @@ def read_result(spec: RunSpec, run_dir: str) -> RunResult:
         samples_generated=last_samples,
         steps_per_s=len(rows) / wall if wall > 0 else math.nan,
         run_cost=_load(os.path.join(run_dir, "experiment_cost.json")),
+        evicted_untrained=last_total(rows, "replay/evicted_untrained"),
+        filtered_groups=last_total(rows, "replay/filtered_groups"),
     )

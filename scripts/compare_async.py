@@ -18,7 +18,15 @@ verl token IS 2), the two of them with replay over D-ARL's window (`naive_replay
   and a staleness-bound one (`stale`: learner paced to >= 1 s a step, eta 4); the baseline
   (decoupled, no replay), naive + replay, decoupled + replay, D-ARL, and D-ARL without selection
   and without P-MIS (in `gen`); 5 seeds. results.json holds the design and the primary tests'
-  definitions before the first run (`experiment/report_budget.py`), their figures after.
+  definitions before the first run (`experiment/report_budget.py`), their figures after;
+- `budget2`: the preregistered two-phase experiment on the same testbed (experiment/prereg.py):
+  phase A (seeds 0-4, both regimes) reruns the published cells and adds naive async and
+  decoupled PPO at lr 2e-4 without replay and five D-ARL variants (the clip anchored at each
+  sample's behavior policy or at the balance mixture); a rule fixed in advance chooses one
+  variant, or stops for futility; phase B runs it against each regime's best baseline on fresh
+  seeds from 5, as many as the power rule sets from phase A's spread; a second task (3-digit
+  chain_sum) is a secondary family. results.json holds the design before the first run and phase
+  B's plan before its first run; a rerun with another design is refused.
 Each run evaluates held-out accuracy inside its loop every `eval.every_steps` steps, so it yields
 a curve against steps, generated samples and wall-clock. Writes into `--out` (and, with
 `--publish DIR`, copies into DIR): `results.md` (a table per eta, or per eta and rate: accuracy at
@@ -36,6 +44,7 @@ measures, whichever method wins.
     python scripts/compare_async.py --plan                        # runs and time budget, then exit
     python scripts/compare_async.py --size budget --out runs/budget --publish docs/results   # D-ARL's claim
     python scripts/compare_async.py --size budget --out runs/budget --report-only   # interim: finished runs only
+    python scripts/compare_async.py --size budget2 --out runs/budget2 --publish docs/results/budget2   # two phases
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from experiment import plan as P
 from experiment.analysis import collapsed
+from experiment.api import DARL_VARIANTS
+from experiment.prereg_run import plan_lines, run_experiment, second_task_size
 from experiment.primary import baseline_gains
 from experiment.report import build_report, finite, markdown, plot_curves
 from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned
@@ -64,7 +75,7 @@ from megatron_darl.launch.warmstart import read_stats
 # and after, export, teardown). Every run records its own wall and CPU seconds in
 # runs/<name>/experiment_cost.json, to check these figures against.
 STEP_S = {"sync": 1.5, "darl": 1.2, "darl_nosel": 1.2, "darl_nopmis": 1.2, "darl_d0": 1.2, "darl_d1": 1.2,
-          "darl_d7": 1.2, "*": 1.0}
+          "darl_d7": 1.2, **dict.fromkeys(DARL_VARIANTS, 1.2), "*": 1.0}
 EVAL_S = 1.5
 OVERHEAD_S = 35.0
 
@@ -138,6 +149,7 @@ class Driver:
 
     def run(self, specs) -> list:
         results = []
+        self.total = max(self.total, self.done + len({s.name for s in specs} - set(self.seen)))
         for spec in specs:
             if spec.name in self.seen:
                 results.append(self.seen[spec.name])
@@ -228,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if errs:
         print("compare_async: " + "; ".join(errs), file=sys.stderr)
         return 2
+    if size.prereg is not None:
+        return _prereg(args, size)
     pilots = P.pilot_specs(size) if size.pilot_lrs else []
     planned = P.with_overrides(size, lr_grid=(*size.lr_grid, max(size.pilot_lrs))) if pilots else size
     tuning = P.tuning_specs(planned)
@@ -280,6 +294,32 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     print(json.dumps(report, allow_nan=False))
     return 0 if not drv.failed else 1
+
+
+def _prereg(args, size: P.Size) -> int:
+    """The preregistered two-phase experiment (`--size budget2`, experiment/prereg_run.py)."""
+    print("\n".join(plan_lines(size, lambda specs: P.estimate_s(specs, size, STEP_S, EVAL_S, OVERHEAD_S))),
+          flush=True)
+    if args.plan:
+        return 0
+    phase_a = P.main_specs(size, {})
+    bad = _preflight(args, size, phase_a) or _preflight(args, second_task_size(size), phase_a[:1])
+    if bad:
+        print(f"compare_async: {bad}", file=sys.stderr)
+        return 2
+
+    def new_driver(out: str, sz: P.Size) -> Driver:
+        return Driver(argparse.Namespace(**{**vars(args), "out": out}), sz, 0)
+
+    code, report = run_experiment(args, size, new_driver, _gate)
+    if report is None:
+        return code
+    if args.publish:
+        publish(args.out, args.publish)
+    with open(os.path.join(args.out, "results.md"), encoding="utf-8") as fh:
+        print(fh.read(), flush=True)
+    print(json.dumps(report, allow_nan=False))
+    return code
 
 
 def _text(report: dict, results: list, size: P.Size, plan_doc: dict | None) -> str:

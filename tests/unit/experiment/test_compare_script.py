@@ -153,3 +153,42 @@ def test_report_only_names_the_runs_not_finished_and_reports_the_rest(tmp_path, 
     with open(os.path.join(out, "results.md")) as fh:
         md = fh.read()
     assert "**Interim report**" in md and all(s.name in md for s in missing)
+
+
+def test_the_preregistered_plan_prints_every_phase_a_run_and_each_phases_estimate(capsys):
+    code = _script().main(["--size", "budget2", "--plan"])
+    out = capsys.readouterr().out
+    assert code == 0
+    names = [line.split()[1] for line in out.splitlines() if line.startswith("  A ")]
+    assert sorted(names) == sorted(s.name for s in P.main_specs(P.SIZES["budget2"], {})) and len(names) == 110
+    assert "gen_decoupled_hi_lr_eta1_lr0.0002_s0" in names and "stale_naive_eta4_lr0.0001_s4" in names
+    assert out.count("phase B, ") == 2 and "at most 20 seeds (5-24)" in out and "futility" in out
+
+
+def test_the_preregistered_size_writes_its_design_and_reports_what_is_missing(tmp_path, capsys, monkeypatch):
+    """`--size budget2 --report-only` before any run finished: the design in results.json, phase A
+    reported incomplete with every missing run named, no choice and no phase B."""
+    mod = _script()
+
+    class NothingFinished:
+        def __init__(self, args, size, total):
+            self.out, self.failed, self.missing = args.out, [], []
+
+        def run(self, specs):
+            assert os.path.isfile(os.path.join(self.out, "results.json"))  # the design came first
+            self.missing += [s.name for s in specs]
+            return []
+
+    monkeypatch.setattr(mod, "Driver", NothingFinished)
+    monkeypatch.setattr(mod, "_preflight", lambda *a: None)
+    out = str(tmp_path / "b2")
+    code = mod.main(["--size", "budget2", "--out", out, "--report-only"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout[-2000:]
+    last = json.loads(stdout.strip().splitlines()[-1])
+    with open(os.path.join(out, "results.json")) as fh:
+        assert json.load(fh) == last
+    assert last["status"] == "phase A incomplete" and last["phase_b"] is None and last["choice"]["chosen"] is None
+    assert len(last["choice"]["missing"]) == 2 * 10 * 5 and last["design"]["phases"]["A"]["seeds"] == [0, 1, 2, 3, 4]
+    assert sorted(set(last["not_run"])) == sorted(s.name for s in P.main_specs(P.SIZES["budget2"], {}))
+    assert "Phase A's choice: not made yet" in open(os.path.join(out, "results.md")).read()

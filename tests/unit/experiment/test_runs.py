@@ -166,3 +166,21 @@ def test_the_curve_of_a_sample_scheduled_run_comes_from_its_ledger(tmp_path):
     _write_run(plain)
     with pytest.raises(ValueError, match="sampled"):
         read_result(SPEC, plain).curve.scored_on("sampled")
+
+
+def test_the_replay_totals_are_the_last_logged_counters_and_unknown_where_never_logged(tmp_path):
+    run = str(tmp_path / "r")
+    _write_run(run)
+    r = read_result(SPEC, run)
+    assert r.evicted_untrained is None and r.filtered_groups is None  # a run without the counters: unknown
+    path = os.path.join(run, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    for i, row in enumerate(rows):  # cumulative counters; the last row logs only the behavior clip
+        row.update({"replay/evicted_untrained": float(2 * i), "replay/filtered_groups": float(i * i)}
+                   if i < len(rows) - 1 else {})
+        row["algo/clip_frac_behavior"] = 0.1 * i
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in rows)
+    r = read_result(SPEC, run)
+    assert r.evicted_untrained == 2.0 * (len(rows) - 2) and r.filtered_groups == float((len(rows) - 2) ** 2)
+    assert r.clip_frac_behavior == pytest.approx(0.1 * sum(range(len(rows))) / len(rows))
