@@ -314,30 +314,46 @@ def main_specs(size: Size, best: dict[str, Setting]) -> list[RunSpec]:
 def estimate_s(specs: list[RunSpec], size: Size, step_s: dict[str, float], eval_s: float, overhead_s: float) -> float:
     """Seconds for `specs` from per-step times by method (`step_s`, "*" as the fallback), the
     time of one in-loop evaluation and a fixed per-run overhead (start-up, evaluation before and
-    after, export, teardown)."""
+    after, export, teardown). A budget size's runs take `budget_run_s` instead."""
     total = 0.0
     for s in specs:
         if size.budget:
-            steps, evals, per_eval = budget_steps(size, s.method), size.budget // size.every_samples + 2, eval_s * (
-                1 + _setting(size, "eval.sampled_k", 0)) * _setting(size, "eval.num_problems", 500) / 500
-        else:
-            steps, every = s.length(size.steps, size.every)
-            evals, per_eval = steps // every, eval_s
-        total += overhead_s + evals * per_eval + steps * step_s.get(s.method, step_s["*"])
+            total += budget_run_s(size, s)
+            continue
+        steps, every = s.length(size.steps, size.every)
+        total += overhead_s + steps // every * eval_s + steps * step_s.get(s.method, step_s["*"])
     return total
 
 
+# A budget run on a quiet 2-core machine, from `budget2`'s phase A runs (runs/<name>/
+# experiment_cost.json and metrics.jsonl): wall minus the training loop's span
+# (start-up, export, teardown) 18-21 s; one in-loop evaluation of 1000 problems, greedy and 4
+# sampled, 2.5-2.8 s; an unpaced step 0.32-0.41 s; a paced regime's step takes its demo.min_step_s.
+BUDGET_OVERHEAD_S, BUDGET_EVAL_S, BUDGET_STEP_S = 20.0, 2.7, 0.4
 REPLAY_SHARE = 0.5  # share of a replay cell's batch that is reused groups (0.42-0.68 in the `seeds` runs)
+GEN_PER_TRAINED = 1.35  # generated samples per trained one without replay (83-97 steps of 256 at 32768)
+
+
+def budget_run_s(size: Size, spec: RunSpec) -> float:
+    """Expected wall seconds of one budget run: overhead, the evaluations at every mark from 0 to
+    the budget, and `budget_steps` steps at the unpaced step time or the regime's pace."""
+    evals = size.budget // size.every_samples + 1
+    per_eval = BUDGET_EVAL_S * (1 + _setting(size, "eval.sampled_k", 0)) / 5 * _setting(
+        size, "eval.num_problems", 1000) / 1000
+    regime = next((r for r in size.regimes if r.name == spec.regime), None)
+    pace = _setting(regime, "demo.min_step_s", 0.0) if regime is not None else 0.0
+    return BUDGET_OVERHEAD_S + evals * per_eval + budget_steps(size, spec.method) * max(BUDGET_STEP_S, pace)
 
 
 def budget_steps(size: Size, method: str) -> int:
     """Expected steps of a budget run: the budget over the samples a step generates (a replay cell
-    generates only the share of its batch it does not replay)."""
+    generates only the share of its batch it does not replay; groups that age out or are filtered
+    count against the budget too)."""
     per_step = _setting(size, "train.batch_prompts", 32) * _setting(size, "rollout.group_size", 8)
     fresh = 1.0 - REPLAY_SHARE if METHODS[method].depth is not None else 1.0
-    return int(size.budget / (per_step * fresh))
+    return int(size.budget / (per_step * fresh * GEN_PER_TRAINED))
 
 
-def _setting(size: Size, key: str, default: float) -> float:
+def _setting(size: Size | Regime, key: str, default: float) -> float:
     found = [s.split("=", 1)[1] for s in size.settings if s.startswith(key + "=")]
     return float(found[-1]) if found else default

@@ -7,7 +7,9 @@ variant against each regime's best baseline on the primary metric, paired by see
 95% t-interval, p of the paired t-test, Holm over the regimes), `secondary_figures` (the same
 pairs on accuracy at the budget, the mean of the last three evaluations, samples to the target
 and the sampled curve's AUC, Holm over these only), `secondary_family` (the second task: its
-gate and its tests), `prereg_markdown` and `plot_phase_a` (each regime's cells, mean over phase A's
+gate and its tests), `phase_a_contrasts` (phase A's exploratory pairs: every variant against each
+regime's best baseline and what each single change did, paired by seed, not preregistered and
+not corrected), `prereg_markdown` and `plot_phase_a` (each regime's cells, mean over phase A's
 seeds against the sample marks).
 What it is not: the rules themselves (`prereg.py`) or running anything (`prereg_run.py`).
 """
@@ -96,6 +98,41 @@ def secondary_family(results: list[RunResult], size, plan: dict) -> dict:
     return {"gate_gain": gains, "gate": size.prereg.secondary_gate, "passed": passed, "tests": rows}
 
 
+# Phase A's contrasts beyond the choice: (a, b, what a - b changes). Not preregistered and not
+# corrected for multiplicity: they describe phase A's five seeds. The variants' margins over the
+# best baseline are biased down, since that baseline is picked on the same runs.
+CONTRASTS = (
+    ("darl_behav", "darl", "clip anchor (behavior vs proximal) and new-first selection, D-ARL"),
+    ("darl_behav", "darl_behav_nosel", "selection, behavior-anchored D-ARL"),
+    ("darl_behav_tokens", "darl_behav", "beta = tokens vs beta = ESS, behavior-anchored D-ARL"),
+    ("darl_mixture", "darl_behav", "clip against the balance mixture vs each sample's behavior policy"),
+    ("darl_behav_abs", "darl_behav", "absolute gate 0.04 vs the quantile threshold"),
+    ("darl_behav_nosel", "naive_replay", "D-ARL's weights and per-version objective vs naive PPO, both replaying"),
+    ("naive_replay", "naive", "replay, naive async"),
+    ("decoupled_replay", "decoupled_areal", "replay, decoupled PPO"),
+    ("naive", "decoupled_areal", "clip anchor (behavior vs proximal) without replay"),
+    ("naive_replay", "decoupled_replay", "clip anchor (behavior vs proximal) with replay"),
+    ("decoupled_hi_lr", "decoupled_areal", "lr 2e-4 vs 1e-4, decoupled PPO without replay"),
+)
+
+
+def phase_a_contrasts(results: list[RunResult], size, choice: dict) -> list[dict]:
+    """Phase A, on the primary metric, paired by seed (p not corrected): every variant and reference
+    against each regime's best baseline (once phase A chose it), then `CONTRASTS`."""
+    seeds, rows = tuple(size.seeds), []
+    best = choice.get("best_baseline") or {}
+    for reg in size.regimes:
+        pairs = [(v, best[reg.name], "against the best baseline") for v in (*size.prereg.candidates,
+                                                                             *size.prereg.references)
+                 if reg.name in best]
+        pairs += [c for c in CONTRASTS if c[0] in size.methods and c[1] in size.methods]
+        for a, b, what in pairs:
+            row = paired_row(results, size, reg.name, (a, b), "auc", seeds)
+            if row["seeds"] >= 2:
+                rows.append({**row, "contrast": what})
+    return rows
+
+
 def _mean_known(values: list) -> float | None:
     """Mean over runs, None when any run did not log the figure (unknown, not 0)."""
     return None if not values or any(v is None for v in values) else float(np.mean(values))
@@ -126,16 +163,21 @@ def _pts(v, scale: float = 100.0, fmt: str = ".1f") -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(scale * v, fmt)
 
 
-def _test_lines(rows: list[dict]) -> list[str]:
-    out = ["| regime | a | b | metric | a - b [95% CI] | means | seeds | p | p Holm |", "|---" * 9 + "|"]
+def _test_lines(rows: list[dict], contrast: bool = False) -> list[str]:
+    """A table of paired rows; `contrast`: what a - b changes in place of the metric, and no Holm."""
+    head = "| regime | a | b | changes | a - b [95% CI] | means | seeds | p |" if contrast else \
+        "| regime | a | b | metric | a - b [95% CI] | means | seeds | p | p Holm |"
+    out = [head, "|---" * (8 if contrast else 9) + "|"]
     for r in rows:
         scale = 1.0 if r["metric"] == "samples_to_target" else 100.0
         fmt = "+.0f" if scale == 1.0 else "+.2f"
         lo, hi = _pts(r["ci_low"], scale, fmt), _pts(r["ci_high"], scale, fmt)
         diff = f"{_pts(r['difference'], scale, fmt)} [{lo}, {hi}]"
         means = f"{_pts(r.get('mean_a'), scale, fmt[1:])} vs {_pts(r.get('mean_b'), scale, fmt[1:])}"
-        out.append(f"| {r['regime']} | {METHODS[r['a']].label} | {METHODS[r['b']].label} | {r['metric']} | {diff} "
-                   f"| {means} | {r['seeds']} | {_pts(r['p'], 1, '.3f')} | {_pts(r.get('p_holm'), 1, '.3f')} |")
+        what = r["contrast"] if contrast else r["metric"]
+        row = (f"| {r['regime']} | {METHODS[r['a']].label} | {METHODS[r['b']].label} | {what} | {diff} | {means} "
+               f"| {r['seeds']} | {_pts(r['p'], 1, '.3f')} |")
+        out.append(row if contrast else f"{row} {_pts(r.get('p_holm'), 1, '.3f')} |")
     return [*out, ""]
 
 
@@ -180,6 +222,11 @@ def prereg_markdown(rep: dict) -> str:
         out.append(f"- {m}: {c['label']}{rate} ({' '.join(c['overrides'])})")
     out += ["", d["published_cells"], ""]
     out += ["", "## Phase A (exploration)", "", *_phase_a_lines(rep), *_choice_lines(rep.get("choice"))]
+    if rep.get("phase_a_contrasts"):
+        out += ["### Phase A contrasts (exploratory: not preregistered, p not corrected)", "",
+                "AUC, points, paired by seed over phase A's seeds. Against the best baseline the margins are biased "
+                "down (that baseline is picked on the same runs).", "",
+                *_test_lines(rep["phase_a_contrasts"], contrast=True)]
     plan = rep.get("phase_b")
     if plan:
         out += ["## Phase B (confirmation)", "", f"Seeds {plan['seeds']} ({plan['n_seeds']}: power "

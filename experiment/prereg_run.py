@@ -107,7 +107,8 @@ def report_doc(doc: dict, size, runs: dict, choice: dict, family: dict | None) -
     plan = doc.get("phase_b")
     status = ("phase A incomplete" if choice.get("futile") is None else "futile: negative result"
               if choice["futile"] else "phase B planned")
-    rep = {**doc, "choice": choice, "phase_a": Q.phase_a_table(runs["A"], size)}
+    rep = {**doc, "choice": choice, "phase_a": Q.phase_a_table(runs["A"], size),
+           "phase_a_contrasts": Q.phase_a_contrasts(runs["A"], size, choice)}
     if plan:
         b = [r for r in runs["B"] if r.spec.seed in plan["seeds"]]
         complete = len(b) == len(R.phase_b_specs(size, plan))

@@ -142,7 +142,7 @@ class Driver:
 
     def __init__(self, args, size: P.Size, total: int):
         self.args, self.size, self.total = args, size, total
-        self.done, self.failed, self.spent = 0, [], 0.0
+        self.done, self.ran, self.failed, self.spent = 0, 0, [], 0.0  # ran: runs made here, not reused
         self.missing: list[str] = []  # --report-only: runs without a finished folder
         self.seen: dict[str, object] = {}  # results of this session by run name (tuning runs reused)
         self.warm = prepare_warm_start(args.out, args.config, [*size.settings, *args.extra])
@@ -172,10 +172,11 @@ class Driver:
                 print(f"{head} failed: {exc}", flush=True)
                 continue
             self.spent += secs
+            self.ran += 0 if reused else 1
             self.seen[spec.name] = r
             results.append(r)
             stale = "-" if r.staleness_mean is None else f"{r.staleness_mean:.2f}/{r.staleness_max:.0f}"
-            left = self.spent / max(1, self.done) * (self.total - self.done)
+            left = self.spent / max(1, self.ran) * (self.total - self.done)  # at the pace of runs made here
             print(f"{head} {'reused' if reused else f'{secs:.0f} s'}: accuracy {100 * r.curve.accuracy[0]:.1f}% -> "
                   f"{100 * r.final_accuracy:.1f}%{' (collapsed)' if collapsed(r) else ''}, staleness mean/max "
                   f"{stale}; about {left / 60:.0f} min left", flush=True)

@@ -177,3 +177,37 @@ def test_the_design_is_written_once(tmp_path):
     doc = write_design(out, SIZE)
     assert doc["status"] == "planned" and doc["design"]["phases"]["A"]["seeds"] == [0, 1, 2, 3, 4]
     assert write_design(out, SIZE) == doc
+
+
+def test_phase_a_contrasts_follow_from_the_published_curves_by_naive_code(tmp_path):
+    from scipy import stats
+
+    from experiment.prereg_report import CONTRASTS
+
+    out = str(tmp_path / "exp")
+    low = {**LEVELS, "darl_behav": 0.27, "darl_mixture": 0.27}  # the futility stop: phase A is all there is
+    _, rep, _ = _run(out, levels=low)
+    doc = json.load(open(os.path.join(out, "results.json")))
+    runs_a = [r for r in doc["runs"] if r["phase"] == "A"]
+    rows = doc["phase_a_contrasts"]
+    best = doc["choice"]["best_baseline"]
+    for reg in ("gen", "stale"):
+        against = {r["a"] for r in rows if r["regime"] == reg and r["contrast"] == "against the best baseline"}
+        assert against == {*SIZE.prereg.candidates, *SIZE.prereg.references}
+        assert {r["b"] for r in rows if r["regime"] == reg and r["contrast"] == "against the best baseline"} == {
+            best[reg]}
+        assert [(r["a"], r["b"]) for r in rows if r["regime"] == reg and r["contrast"] != "against the best "
+                "baseline"] == [(a, b) for a, b, _ in CONTRASTS]
+    for fig in rows:
+        a, b = ({r["seed"]: _trap(r["curve"]) for r in runs_a if r["regime"] == fig["regime"] and r["method"] == m}
+                for m in (fig["a"], fig["b"]))
+        assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4] and fig["seeds"] == 5
+        d = np.array([a[s] - b[s] for s in sorted(a)])
+        half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+        assert fig["difference"] == pytest.approx(d.mean())
+        assert [fig["ci_low"], fig["ci_high"]] == pytest.approx([d.mean() - half, d.mean() + half])
+        assert fig["p"] == pytest.approx(stats.ttest_rel([a[s] for s in sorted(a)], [b[s] for s in sorted(a)]).pvalue,
+                                         rel=1e-6, abs=0)
+    md = open(os.path.join(out, "results.md")).read()
+    assert "### Phase A contrasts (exploratory: not preregistered, p not corrected)" in md
+    assert md.count("| replay, naive async |") == 2  # one row per regime
