@@ -1,16 +1,17 @@
 """The preregistered two-phase experiment's figures: phase A's table, phase B's tests, the second task.
 
 What it is: `phase_a_table` (per regime and cell: mean primary metric with its 95% t-interval
-over phase A's seeds, the secondary figures, and the replay totals: groups evicted untrained and
-groups filtered, None where a run did not log them), `primary_figures` (phase B: the chosen
-variant against each regime's best baseline on the primary metric, paired by seed: difference,
-95% t-interval, p of the paired t-test, Holm over the regimes), `secondary_figures` (the same
-pairs on accuracy at the budget, the mean of the last three evaluations, samples to the target
-and the sampled curve's AUC, Holm over these only), `secondary_family` (the second task: its
-gate and its tests), `phase_a_contrasts` (phase A's exploratory pairs: every variant against each
-regime's best baseline and what each single change did, paired by seed, not preregistered and
-not corrected), `prereg_markdown` and `plot_phase_a` (each regime's cells, mean over phase A's
-seeds against the sample marks).
+and its range over phase A's seeds, the secondary figures, and the replay totals: groups evicted
+untrained and groups filtered, None where a run did not log them), `phase_a_cost` (per regime,
+the runs' own wall time and load), `primary_figures` (phase B: the chosen variant against each
+regime's best baseline on the primary metric, paired by seed: difference, 95% t-interval, p of
+the paired t-test, Holm over the regimes), `secondary_figures` (the same pairs on accuracy at the
+budget, the mean of the last three evaluations, samples to the target and the sampled curve's
+AUC, Holm over these only), `secondary_family` (the second task: its gate and its tests),
+`phase_a_contrasts` (phase A's exploratory pairs: every variant against each regime's best
+baseline and what each single change did, paired by seed, not preregistered and not corrected),
+`prereg_markdown` and `plot_phase_a` (each regime's cells, mean over phase A's seeds against the
+sample marks).
 What it is not: the rules themselves (`prereg.py`) or running anything (`prereg_run.py`).
 """
 
@@ -121,12 +122,12 @@ def phase_a_contrasts(results: list[RunResult], size, choice: dict) -> list[dict
     against each regime's best baseline (once phase A chose it), then `CONTRASTS`."""
     seeds, rows = tuple(size.seeds), []
     best = choice.get("best_baseline") or {}
+    own = [c for c in CONTRASTS if c[0] in size.methods and c[1] in size.methods]
     for reg in size.regimes:
-        pairs = [(v, best[reg.name], "against the best baseline") for v in (*size.prereg.candidates,
-                                                                             *size.prereg.references)
-                 if reg.name in best]
-        pairs += [c for c in CONTRASTS if c[0] in size.methods and c[1] in size.methods]
-        for a, b, what in pairs:
+        against = [(v, best[reg.name], "against the best baseline") for v in (*size.prereg.candidates,
+                                                                               *size.prereg.references)
+                   if reg.name in best]
+        for a, b, what in against + own:
             row = paired_row(results, size, reg.name, (a, b), "auc", seeds)
             if row["seeds"] >= 2:
                 rows.append({**row, "contrast": what})
@@ -146,9 +147,10 @@ def phase_a_table(results: list[RunResult], size) -> dict[str, dict[str, dict]]:
             runs = list(_per_seed(results, reg.name, m, size.seeds).values())
             if not runs:
                 continue
-            mean, lo, hi = mean_interval([auc_marks(r.curve, size.budget) for r in runs])
+            aucs = [auc_marks(r.curve, size.budget) for r in runs]
+            mean, lo, hi = mean_interval(aucs)
             out.setdefault(reg.name, {})[m] = {
-                "seeds": len(runs), "auc": mean, "auc_ci95": [lo, hi],
+                "seeds": len(runs), "auc": mean, "auc_ci95": [lo, hi], "auc_range": [min(aucs), max(aucs)],
                 "accuracy_at_budget": float(np.mean([accuracy_at_budget(r.curve, size.budget) for r in runs])),
                 "last_three": float(np.mean([last_three(r.curve, size.budget) for r in runs])),
                 "evicted_untrained": _mean_known([r.evicted_untrained for r in runs]),
@@ -156,6 +158,22 @@ def phase_a_table(results: list[RunResult], size) -> dict[str, dict[str, dict]]:
                 "clip_frac_behavior": _mean_known([r.clip_frac_behavior for r in runs]),
                 "reused_frac": _mean_known([r.reused_frac for r in runs]),
                 "ess_min": _mean_known([r.ess_min for r in runs]), "kl_k3": _mean_known([r.kl_k3 for r in runs])}
+    return out
+
+
+def phase_a_cost(results: list[RunResult], size) -> dict[str, dict]:
+    """Per regime, what phase A's runs cost where they ran: their count, their own wall time in
+    all (hours), the median and range of a run's (seconds), and the median 1-minute load average
+    at a run's end; None where no run recorded its cost."""
+    out = {}
+    for reg in size.regimes:
+        costs = [r.run_cost for r in results if r.spec.regime == reg.name and r.spec.seed in size.seeds
+                 and r.run_cost]
+        if costs:
+            wall = [c["wall_s"] for c in costs]
+            out[reg.name] = {"runs": len(costs), "wall_h": sum(wall) / 3600.0, "wall_s_median": float(np.median(wall)),
+                             "wall_s_range": [min(wall), max(wall)],
+                             "load1_median": float(np.median([c["load1"] for c in costs]))}
     return out
 
 
@@ -184,15 +202,21 @@ def _test_lines(rows: list[dict], contrast: bool = False) -> list[str]:
 def _phase_a_lines(rep: dict) -> list[str]:
     out = []
     for reg, cells in (rep.get("phase_a") or {}).items():
-        out += [f"### Phase A, {reg}", "", "| cell | AUC % [95% CI] | at budget % | last three % | evicted untrained "
-                "| filtered groups | clip frac vs mu | reused share |", "|---" * 8 + "|"]
+        out += [f"### Phase A, {reg}", "", "| cell | AUC % [95% CI] | seed range | at budget % | last three % "
+                "| evicted untrained | filtered groups | clip frac vs mu | reused share |", "|---" * 9 + "|"]
         for m, c in cells.items():
             lo, hi = c["auc_ci95"]
-            out.append(f"| {METHODS[m].label} | {_pts(c['auc'])} [{_pts(lo)}, {_pts(hi)}] "
+            low, high = c["auc_range"]
+            out.append(f"| {METHODS[m].label} | {_pts(c['auc'])} [{_pts(lo)}, {_pts(hi)}] | {_pts(low)}-{_pts(high)} "
                        f"| {_pts(c['accuracy_at_budget'])} | {_pts(c['last_three'])} "
                        f"| {_pts(c['evicted_untrained'], 1, '.0f')} | {_pts(c['filtered_groups'], 1, '.0f')} "
                        f"| {_pts(c['clip_frac_behavior'], 1, '.3f')} | {_pts(c['reused_frac'], 1, '.2f')} |")
         out.append("")
+    for reg, c in (rep.get("phase_a_cost") or {}).items():
+        lo, hi = c["wall_s_range"]
+        out += [f"Phase A's {c['runs']} {reg} runs took {c['wall_h']:.2f} h of their own wall time; a run "
+                f"{c['wall_s_median']:.0f} s (median; range {lo:.0f}-{hi:.0f} s); 1-minute load at a run's end "
+                f"{c['load1_median']:.1f} (median).", ""]
     return out
 
 

@@ -108,7 +108,8 @@ def report_doc(doc: dict, size, runs: dict, choice: dict, family: dict | None) -
     status = ("phase A incomplete" if choice.get("futile") is None else "futile: negative result"
               if choice["futile"] else "phase B planned")
     rep = {**doc, "choice": choice, "phase_a": Q.phase_a_table(runs["A"], size),
-           "phase_a_contrasts": Q.phase_a_contrasts(runs["A"], size, choice)}
+           "phase_a_contrasts": Q.phase_a_contrasts(runs["A"], size, choice),
+           "phase_a_cost": Q.phase_a_cost(runs["A"], size)}
     if plan:
         b = [r for r in runs["B"] if r.spec.seed in plan["seeds"]]
         complete = len(b) == len(R.phase_b_specs(size, plan))

@@ -13,6 +13,7 @@ import pytest
 from experiment import prereg as R
 from experiment.api import DARL_VARIANTS, METHODS, Curve, RunResult
 from experiment.plan import SIZES, main_specs, run_overrides
+from tests.helpers.naive_auc import trapezoid_auc
 
 SIZE = SIZES["budget2"]
 BUDGET, EVERY = SIZE.budget, SIZE.every_samples
@@ -138,8 +139,7 @@ def test_phase_b_seeds_come_after_phase_a_and_its_cells_are_the_choice():
 
 
 def _trap(r: RunResult) -> float:
-    m, a = r.curve.marks, r.curve.accuracy
-    return sum((m[i + 1] - m[i]) * (a[i] + a[i + 1]) / 2 for i in range(len(m) - 1)) / BUDGET
+    return trapezoid_auc(r.curve.marks, r.curve.accuracy, BUDGET)
 
 
 def test_the_design_names_phases_seeds_rules_and_every_variant_override():

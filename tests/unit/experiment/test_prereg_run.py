@@ -18,6 +18,7 @@ import pytest
 from experiment.api import Curve, RunResult
 from experiment.plan import SIZES
 from experiment.prereg_run import run_experiment, write_design
+from tests.helpers.naive_auc import trapezoid_auc
 
 SIZE = SIZES["budget2"]
 BUDGET, EVERY = SIZE.budget, SIZE.every_samples
@@ -65,9 +66,7 @@ def _run(out: str, levels=LEVELS, size=SIZE, log=None):
 
 
 def _trap(curve: dict) -> float:
-    """Naive AUC: trapezoids over the marks 0..budget, divided by the budget."""
-    pts = [(m, a) for m, a in zip(curve["marks"], curve["accuracy"]) if m <= BUDGET]
-    return sum((pts[i + 1][0] - pts[i][0]) * (pts[i][1] + pts[i + 1][1]) / 2 for i in range(len(pts) - 1)) / BUDGET
+    return trapezoid_auc(curve["marks"], curve["accuracy"], BUDGET)
 
 
 def test_the_design_comes_first_and_phase_b_is_planned_before_its_first_run(tmp_path):

@@ -15,6 +15,8 @@ import re
 import numpy as np
 import pytest
 
+from tests.helpers.naive_auc import trapezoid_auc
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PUBLISHED = os.path.join(ROOT, "docs", "results", "budget2", "results.json")
 
@@ -26,14 +28,7 @@ def report():
 
 
 def _trap(curve: dict, budget: float) -> float:
-    """Naive primary metric: trapezoids over (mark, accuracy) from mark 0 to the budget, / budget."""
-    xs = [m for m in curve["marks"] if m <= budget]
-    ys = curve["accuracy"][: len(xs)]
-    assert xs[0] == 0 and xs[-1] == budget
-    area = 0.0
-    for i in range(1, len(xs)):
-        area += (xs[i] - xs[i - 1]) * (ys[i] + ys[i - 1]) / 2
-    return area / budget
+    return trapezoid_auc(curve["marks"], curve["accuracy"], budget)
 
 
 def _means(report: dict) -> dict[str, dict[str, float]]:
@@ -82,18 +77,33 @@ def test_the_futility_stop_follows_from_the_published_curves(report):
     assert {r["phase"] for r in report["runs"]} == {"A"} and not report.get("secondary_family")
 
 
-def test_the_phase_a_table_is_the_curves_means(report):
-    means = _means(report)
+def test_the_phase_a_table_is_the_curves_means_and_ranges(report):
+    means, budget = _means(report), report["design"]["budget_samples"]
     for reg, cells in report["phase_a"].items():
         for m, row in cells.items():
+            v = [_trap(r["curve"], budget) for r in report["runs"] if r["regime"] == reg and r["method"] == m]
             assert row["seeds"] == 5 and row["auc"] == pytest.approx(means[reg][m], abs=1e-12), (reg, m)
+            assert row["auc_range"] == pytest.approx([min(v), max(v)], abs=1e-12), (reg, m)
             assert row["auc_ci95"][0] <= row["auc"] <= row["auc_ci95"][1]
+
+
+def test_the_cost_summary_is_the_runs_own(report):
+    """Per regime, the runs' count, total and median wall time, range and median load, by hand."""
+    for reg, c in report["phase_a_cost"].items():
+        costs = sorted((r["cost"]["wall_s"], r["cost"]["load1"]) for r in report["runs"] if r["regime"] == reg)
+        wall, load = [w for w, _ in costs], sorted(ld for _, ld in costs)
+        n = len(wall)
+        assert c["runs"] == n == 55 and c["wall_h"] == pytest.approx(sum(wall) / 3600)
+        assert c["wall_s_median"] == pytest.approx(wall[n // 2]) and c["wall_s_range"] == [wall[0], wall[-1]]
+        assert c["load1_median"] == pytest.approx(load[n // 2])
+        md = open(os.path.join(os.path.dirname(PUBLISHED), "results.md"), encoding="utf-8").read()
+        assert f"Phase A's {n} {reg} runs took {sum(wall) / 3600:.2f} h of their own wall time" in md
 
 
 def test_the_readme_quotes_the_published_figures(report):
     """Every "<AUC> [<low>, <high>]" of the README's results table is the published mean AUC of that
-    cell and the seed range (min and max over phase A's seeds), in points to 0.1; in bold, each
-    regime's best cell and only it."""
+    cell and its seed range as results.md prints them, and within 0.05 points of the mean, min and
+    max over phase A's seeds recomputed from the curves; in bold, each regime's best cell and only it."""
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     block = readme.split("<!-- budget2 table -->")[1].split("<!-- end budget2 table -->")[0]
     budget = report["design"]["budget_samples"]
@@ -112,5 +122,7 @@ def test_the_readme_quotes_the_published_figures(report):
             assert len(v) == 5
             assert [float(mean), float(lo), float(hi)] == pytest.approx(  # to 0.1: within half of it
                 [100 * v.mean(), 100 * v.min(), 100 * v.max()], abs=0.05 + 1e-9), (reg, method)
+            row = report["phase_a"][reg][method]
+            assert [mean, lo, hi] == [f"{100 * x:.1f}" for x in (row["auc"], *row["auc_range"])], (reg, method)
     means = _means(report)
     assert bold == {reg: [max(means[reg], key=means[reg].get)] for reg in regimes}  # the best cell, in bold
