@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,22 @@ def _copy_checkout(dest: Path) -> None:
             shutil.copy2(src, dest / name.decode())
 
 
+def _venv_over_the_running_environment(venv: Path) -> Path:
+    """A venv without pip that reaches the running environment's packages (its setuptools, wheel
+    and pip), so nothing comes from an index; returns its interpreter. Not `--system-site-packages`:
+    inside a venv that exposes the base interpreter's site-packages, not the venv's, and there
+    setuptools may lack `bdist_wheel` (the failure a fresh `python3 -m venv` gave). The running
+    environment's folders go in as plain paths of a `.pth` file, after the new venv's own
+    site-packages, so its `.pth` files (the checkout's own editable install) are not run there."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    ours = list(dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]))
+    (Path(site) / "running_environment.pth").write_text("".join(f"{p}\n" for p in ours))
+    return py
+
+
 def test_pyproject_declares_the_console_scripts_and_setup_py_adds_nothing():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert set(project["scripts"]) == SCRIPTS
@@ -44,9 +61,7 @@ def test_pyproject_declares_the_console_scripts_and_setup_py_adds_nothing():
 def test_an_offline_editable_install_gives_the_console_scripts(tmp_path):
     src, venv = tmp_path / "checkout", tmp_path / "venv"
     _copy_checkout(src)
-    # the interpreter's own setuptools and pip serve the venv: nothing comes from an index
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
+    py = _venv_over_the_running_environment(venv)
     out = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation",
                           "--disable-pip-version-check", "-e", "."], cwd=src, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
