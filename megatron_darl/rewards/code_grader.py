@@ -9,9 +9,17 @@ sandbox (sandbox.py), the tests and the expected values stay here, and only data
               call, each argument and return value crossing as JSON of exactly builtin values;
               passes when `check` returns
   stdio       one run per case with the case's input on stdin; stdout compared here line by line,
-              numbers with a tolerance
+              token by token (`outputs_match`)
   functional  one sandboxed program serving `Solution().fn_name(*args)` (or a plain function) for
-              every case; the values are compared here with the expected ones
+              every case; the values are compared here with the expected ones (`values_match`)
+Numbers: exact where the answer is exact. An integer expected (a token such as `421678599`, a
+JSON int) needs exactly that integer (a float, even `3.0`, fails); a tolerance (1e-6, relative
+and absolute) applies only where the expected value is not an integer (`2.5`, a JSON float).
+LiveCodeBench's own checker (lcb_runner/evaluation/testing_util.py) compares stdio lines exactly,
+then token by token as `Decimal`s (exact: `3.0` equals `3`, no tolerance), and functional values
+with Python's `==` after turning a tuple into a list (`3.0 == 3` holds). We differ in two ways:
+a non-integer expected value gets the 1e-6 tolerance (a float printed with other digits passes),
+and an integer expected refuses a float, whatever its value (the checker of a judge would too).
 Score 1.0 when every case passes, else 0.0; the detail names the first failing case.
 What holds (each claim with its test): a returned object with its own `__eq__`, a subclass of a
 builtin, patched builtins, a settrace that swaps `check`, re-reading stdin, walking frames, parsing
@@ -141,7 +149,9 @@ def _grade_humaneval(
 
 
 def outputs_match(got: str, expected: str, tol: float = 1e-6) -> bool:
-    """Line-by-line match of stripped output; tokens that are both numbers match within tol."""
+    """Line-by-line match of stripped output, token by token: an integer token expected must be
+    printed as an integer of exactly that value; a tolerance `tol` (relative and absolute)
+    applies only where the expected token is a number that is not an integer."""
     got_lines = [ln.strip() for ln in got.strip().splitlines()]
     exp_lines = [ln.strip() for ln in expected.strip().splitlines()]
     if got_lines == exp_lines:
@@ -153,15 +163,30 @@ def outputs_match(got: str, expected: str, tol: float = 1e-6) -> bool:
         if len(g_tok) != len(e_tok):
             return False
         for g, e in zip(g_tok, e_tok):
-            if g != e and not _close(g, e, tol):
+            if g != e and not _tokens_match(g, e, tol):
                 return False
     return True
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _tokens_match(got: str, expected: str, tol: float) -> bool:
+    if _INTEGER.fullmatch(expected):
+        # exact: within a relative 1e-6, any answer above 10^6 would pass off by a little
+        return _INTEGER.fullmatch(got) is not None and int(got) == int(expected)
+    try:  # text that only overflows to infinity (400 digits against "1e400") is no match
+        if not (math.isfinite(float(got)) and math.isfinite(float(expected))):
+            return False
+    except ValueError:
+        return False
+    return _close(got, expected, tol)
 
 
 def _close(a: Any, b: Any, tol: float) -> bool:
     try:
         x, y = float(a), float(b)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
     return math.isclose(x, y, rel_tol=tol, abs_tol=tol)
 
@@ -178,13 +203,20 @@ def _grade_stdio(code: str, cases: list[dict], limits: SandboxLimits) -> tuple[f
 
 
 def values_match(got: Any, expected: Any, tol: float = 1e-6) -> bool:
-    """Equality of JSON values, with a tolerance for floats."""
+    """Equality of JSON values: an int expected needs an int of exactly that value (a float,
+    even 3.0, fails); a tolerance `tol` applies only where the expected value is a float."""
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
         return len(got) == len(expected) and all(
             values_match(g, e, tol) for g, e in zip(got, expected)
         )
-    if isinstance(got, float) or isinstance(expected, float):
-        return not isinstance(got, bool) and _close(got, expected, tol)
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is type(expected) and got == expected
+    if isinstance(expected, int):
+        return type(got) is int and got == expected
+    if isinstance(expected, float):
+        return type(got) in (int, float) and _close(got, expected, tol)
+    if isinstance(expected, dict) and isinstance(got, dict):
+        return got.keys() == expected.keys() and all(values_match(got[k], expected[k], tol) for k in expected)
     return got == expected
 
 
