@@ -37,7 +37,8 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | balance_weights(prox, behav, behav_by_version, versions, mask, ...) | [B,T], metrics | Veach balance |
 | interpolate_version_logp(prox, behav, versions, prox_version, targets) | dict | log-linear approx. |
 | pmis_batch_constants(prox, behav, mask, versions, ...) | beta, counts, metrics | once per batch |
-| pmis_behavior_weights(prox, behav, mask, versions, ...) | [B,T], metrics | rho of darl_policy_loss |
+| pmis_behavior_weights(prox, behav, mask, versions, is_options, ...) | [B,T], metrics | rho of darl_policy_loss |
+| RolloutISOptions(level, mode, threshold, threshold_lower, veto_threshold) | frozen | the is_* keywords |
 | combine_versions(objective, mask, versions, beta, counts) | loss, metrics | -sum beta_k L_k |
 | darl_policy_loss(logp, prox, behav, adv, mask, versions, ..., anchor) | loss, metrics | D-ARL policy loss |
 | anchored_objective(logp, anchor_logp, adv, mask, ...) | [B,T], flags | clip against b or the mixture |
@@ -54,6 +55,7 @@ import sys
 
 from .advantages import grpo_advantages, rloo_advantages
 from .anchors import TRUST_ANCHORS, anchor_log_prob, anchored_objective, behavior_clip_fraction, mixture_log_prob
+from .balance import balance_weights, interpolate_version_logp
 from .diagnostics import diagnostics, drift_diagnostics, kl_estimates, masked_quantile, staleness_histogram
 from .importance import rollout_is_weights
 from .losses import (
@@ -66,12 +68,11 @@ from .losses import (
     weighted_surrogate,
 )
 from .pmis import (
-    balance_weights,
+    RolloutISOptions,
     combine_versions,
     darl_policy_loss,
     effective_sample_size,
     ess_level,
-    interpolate_version_logp,
     pmis_batch_constants,
     pmis_behavior_weights,
     pmis_beta_from_statistics,
@@ -91,6 +92,7 @@ from .selection import (
 __all__ = [
     "LOG_RATIO_BOUND",
     "TRUST_ANCHORS",
+    "RolloutISOptions",
     "admitted_groups",
     "anchor_log_prob",
     "anchored_objective",

@@ -58,7 +58,7 @@ def weights_from_log(
     veto_threshold: float | None = 1e-4,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Turn log weights into truncated/masked, vetoed weights (the second half of
-    `rollout_is_weights`, shared with the balance-heuristic weights of `pmis.py`).
+    `rollout_is_weights`, shared with the balance-heuristic weights of `balance.py`).
 
     Decisions use the unclamped log weight; only the exp is clamped. Returns the detached
     weights, 0 off the mask, and the `algo/is/...` metrics.

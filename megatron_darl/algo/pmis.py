@@ -2,9 +2,10 @@
 
 What it is: the per-version split of a batch by behavior version k, the per-version token
 mean `L_k`, the weights `beta_k` (`ess`, `tokens`, `balance`) and their combination
-`loss = -sum_k beta_k L_k`; the Veach balance-heuristic weights and their log-linear
-approximation; the once-per-batch constants that let micro-batches add up exactly.
-What it is not: the surrogates themselves (`losses.py`) or rollout weights (`importance.py`).
+`loss = -sum_k beta_k L_k`; the choice of behavior weights (rollout IS, `RolloutISOptions`, or
+the balance heuristic); the once-per-batch constants that let micro-batches add up exactly.
+What it is not: the surrogates themselves (`losses.py`), rollout weights (`importance.py`) or
+the balance-heuristic weights (`balance.py`).
 
 Versions: the objective splits SEQUENCES by version (`versions` `[B]`, each sequence's oldest
 token version, as the replay store ages it), one estimator `L_k` per version. Where the maths is
@@ -23,13 +24,14 @@ counts, so its loss estimates the whole-batch objective on its own tokens (and w
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from .anchors import TRUST_ANCHORS, anchor_log_prob, anchored_objective
-from .importance import LEVELS, rollout_is_weights, weights_from_log
+from .balance import balance_weights
+from .importance import LEVELS, rollout_is_weights
 from .losses import sg_objective, surrogate_metrics, weighted_surrogate
 from .reductions import (
     check_sequence_tensor,
@@ -143,99 +145,44 @@ def pmis_coefficients(
     return beta, metrics
 
 
-def interpolate_version_logp(
-    prox_logp: torch.Tensor, behav_logp: torch.Tensor, versions: torch.Tensor,
-    prox_version: int, target_versions,
-) -> dict[int, torch.Tensor]:
-    """APPROXIMATION of `log mu_k(y_ij)` for versions whose snapshots are not kept.
+@dataclass(frozen=True)
+class RolloutISOptions:
+    """The rollout-IS options of D-ARL's behavior weights `rho` (`rollout_is_weights`'s own).
 
-    Log-linear in the version index between the token's own behavior (`b`, version `v`) and
-    the proximal policy (`p`, version `prox_version`):
-    `log mu_k ~ b + (k - v) / (prox_version - v) * (p - b)` (extrapolated for k < v; `b` for
-    every k when `v == prox_version`). Exact only at `k = v` and `k = prox_version`. `versions`
-    is `[B]` (one version per sequence) or `[B, T]` (each token's own version, e.g.
-    `TrainBatch.token_versions`: right for the later tokens of an interrupted rollout, whose
-    `b` comes from a newer version than the sequence's first token; values off the mask are
-    ignored).
+    `darl_policy_loss` and `pmis_batch_constants` take them as the keywords `is_level`, `is_mode`,
+    `is_threshold`, `is_threshold_lower` and `is_veto_threshold` (what verl and AReaL callers
+    pass), build one of these once and hand it to `pmis_behavior_weights`.
+
+    Attributes:
+        level: `token`, `sequence` or `geometric`; ESS counts sequences unless `token`; `balance` and `sg`
+            need `token`.
+        mode: `truncate` or `mask`/`clip`; `sg` needs `truncate`.
+        threshold: the upper bound on a weight, > 0 (`C` of `surrogate="sg"`).
+        threshold_lower: `mask` mode's lower bound; None means `1/threshold`.
+        veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
     """
-    m = check_token_tensors(torch.ones_like(prox_logp, dtype=torch.bool), behav_logp=behav_logp)
-    if versions.dim() == 2:
-        check_token_tensors(m, versions=versions)
-    else:
-        check_sequence_tensor("versions", versions, m.shape[0])
-    if bool((versions > prox_version).any()):
-        raise ValueError(f"versions must be <= prox_version={prox_version}")
-    p, b = prox_logp.detach(), behav_logp.detach()
-    per_token = versions if versions.dim() == 2 else versions.unsqueeze(-1)
-    gap = (prox_version - per_token).to(p.dtype)
-    out = {}
-    for k in target_versions:
-        frac = torch.where(gap > 0, (k - per_token).to(p.dtype) / gap.clamp(min=1.0), torch.zeros_like(gap))
-        out[int(k)] = b + frac * (p - b)
-    return out
+
+    level: str = "token"
+    mode: str = "truncate"
+    threshold: float = 2.0
+    threshold_lower: float | None = None
+    veto_threshold: float | None = 1e-4
+
+    def weight_kwargs(self) -> dict:
+        """The keywords of `rollout_is_weights` and `balance_weights` other than `level`."""
+        return dict(mode=self.mode, threshold=self.threshold, threshold_lower=self.threshold_lower,
+                    veto_threshold=self.veto_threshold)
 
 
-def balance_weights(
-    prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-    behav_logp_by_version: Mapping[int, torch.Tensor], versions: torch.Tensor, mask: torch.Tensor,
-    *, version_token_counts: Mapping[int, float] | None = None, mode: str = "truncate",
-    threshold: float = 2.0, threshold_lower: float | None = None,
-    veto_threshold: float | None = 1e-4,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Veach balance-heuristic weights `rho_ij = pi_prox(y_ij) / sum_k alpha_k mu_k(y_ij)`.
-
-    `alpha_k = N_k / N` over the versions of `version_token_counts`. Then `mode`/`threshold`/veto
-    as in `rollout_is_weights` (the veto looks at each token's own `exp(p - b)`).
-
-    Args:
-        prox_logp: proximal-policy log-probs `p` of the sampled tokens, `[B, T]`.
-        behav_logp: each token's own behavior log-prob `b`, `[B, T]`; read only by the veto.
-        behav_logp_by_version: `{k: log mu_k}` of every token, `[B, T]` each: exact when the K behavior
-            snapshots are kept and score the batch, else from `interpolate_version_logp` (an approximation).
-        versions: `[B]` (every token of row i counts for `versions[i]`) or `[B, T]` (each token its own).
-        mask: `[B, T]`, true on the tokens that count.
-        version_token_counts: `{k: N_k}`, the whole batch's masked tokens per version; None counts this
-            call's tokens by `versions`.
-        mode: `truncate` or `mask`/`clip`, as in `rollout_is_weights`.
-        threshold: the upper bound on a weight, > 0.
-        threshold_lower: `mask` mode's lower bound, in `[0, threshold]`; None means `1/threshold`.
-        veto_threshold: a row with any masked `exp(p - b)` below this is zeroed; None disables the veto.
-    """
-    m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
-    if versions.dim() == 2:
-        check_token_tensors(mask, versions=versions)
-    else:
-        check_sequence_tensor("versions", versions, m.shape[0])
-    counts = version_token_counts if version_token_counts is not None else count_version_tokens(versions, m)
-    total = sum(float(n) for n in counts.values())
-    zero = torch.zeros((), dtype=prox_logp.dtype, device=prox_logp.device)
-    terms = []
-    for k, n_k in sorted(counts.items()):
-        if float(n_k) <= 0:
-            continue
-        lp = lookup_version(behav_logp_by_version, k, "behav_logp_by_version")
-        check_token_tensors(mask, **{f"behav_logp_by_version[{k}]": lp})
-        terms.append(math.log(float(n_k) / total) + lp.detach())
-    for k in torch.unique(versions[m] if versions.dim() == 2 else versions).tolist():
-        lookup_version(counts, int(k), "version_token_counts")
-    p = prox_logp.detach()
-    log_mix = torch.logsumexp(torch.stack(terms), 0) if terms else p
-    log_w = torch.where(m, p - log_mix, zero)
-    l_tok = torch.where(m, p - behav_logp.detach(), zero)
-    return weights_from_log(
-        log_w, l_tok, m, mode=mode, threshold=threshold,
-        threshold_lower=threshold_lower, veto_threshold=veto_threshold,
-    )
+DEFAULT_IS_OPTIONS = RolloutISOptions()
 
 
-def pmis_behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level: str = "token",
-                          is_mode: str = "truncate", is_threshold: float = 2.0,
-                          is_threshold_lower: float | None = None, is_veto_threshold: float | None = 1e-4,
-                          pmis: str = "ess", behav_logp_by_version=None, version_token_counts=None,
-                          mixture_counts=None):
+def pmis_behavior_weights(prox_logp, behav_logp, mask, versions, *,
+                          is_options: RolloutISOptions = DEFAULT_IS_OPTIONS, pmis: str = "ess",
+                          behav_logp_by_version=None, version_token_counts=None, mixture_counts=None):
     """`(rho, metrics)`: the behavior weights of D-ARL's clipped surrogate, `[B, T]` detached.
 
-    Rollout IS weights (`rollout_is_weights` with the `is_*` options), or for `pmis="balance"`
+    Rollout IS weights (`rollout_is_weights` with `is_options`), or for `pmis="balance"`
     the balance-heuristic weights (`balance_weights`).
 
     Args:
@@ -243,23 +190,18 @@ def pmis_behavior_weights(prox_logp, behav_logp, mask, versions, *, is_level: st
         behav_logp: behavior-policy log-probs of the same tokens, `[B, T]`.
         mask: `[B, T]`, true on the tokens that count.
         versions: `[B]` behavior version of each sequence; read only by `balance` (`[B, T]` allowed there).
-        is_level: `rollout_is_weights`'s `level` (`token`, `sequence`, `geometric`); `balance` needs `token`.
-        is_mode: `truncate` or `mask`/`clip` (`rollout_is_weights`'s `mode`).
-        is_threshold: the upper bound on a weight, > 0.
-        is_threshold_lower: `mask` mode's lower bound; None means `1/is_threshold`.
-        is_veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
+        is_options: the rollout-IS options (`RolloutISOptions`); `balance` needs `level="token"`.
         pmis: the P-MIS mode, `ess`, `tokens` (both: rollout IS weights) or `balance` (balance heuristic).
         behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `balance`; unused otherwise.
         version_token_counts: `{k: N_k}` of the whole batch; the mixture's `alpha_k` when `mixture_counts`
             is None (None as well: this call's counts).
         mixture_counts: `{k: N_k}` for `balance`'s `alpha_k` (e.g. by token version); None: `version_token_counts`.
     """
-    opts = dict(mode=is_mode, threshold=is_threshold, threshold_lower=is_threshold_lower,
-                veto_threshold=is_veto_threshold)
+    opts = is_options.weight_kwargs()
     if pmis != "balance":
-        return rollout_is_weights(prox_logp, behav_logp, mask, level=is_level, **opts)
-    if is_level != "token":
-        raise ValueError(f"pmis='balance' needs is_level='token', got {is_level!r}")
+        return rollout_is_weights(prox_logp, behav_logp, mask, level=is_options.level, **opts)
+    if is_options.level != "token":
+        raise ValueError(f"pmis='balance' needs is_level='token', got {is_options.level!r}")
     if behav_logp_by_version is None:
         raise ValueError(
             "pmis='balance' needs behav_logp_by_version (log mu_k of every token for every "
@@ -295,27 +237,21 @@ def pmis_batch_constants(
         behav_logp: behavior-policy log-probs of the same tokens, `[B, T]`.
         mask: `[B, T]`, true on the tokens that count.
         versions: `[B]`, the behavior version of each sequence; the returned counts are by it.
-        is_level: `token`, `sequence` or `geometric` (`rollout_is_weights`); ESS counts sequences unless `token`.
-        is_mode: `truncate` or `mask`/`clip` (`rollout_is_weights`'s `mode`).
-        is_threshold: the upper bound on a weight, > 0.
-        is_threshold_lower: `mask` mode's lower bound; None means `1/is_threshold`.
-        is_veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
+        is_level, is_mode, is_threshold, is_threshold_lower, is_veto_threshold: the rollout-IS options,
+            `RolloutISOptions`'s `level`, `mode`, `threshold`, `threshold_lower` and `veto_threshold`.
         pmis: how `beta_k` is set: `ess` (by each version's ESS), `tokens` (`N_k / N`) or `balance`
             (`N_k / N`, with balance-heuristic weights).
         behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `balance`; unused otherwise.
         mixture_counts: `{k: N_k}` for `balance`'s `alpha_k`; None uses the batch's counts by `versions`.
     """
+    opts = RolloutISOptions(is_level, is_mode, is_threshold, is_threshold_lower, is_veto_threshold)
     m = check_token_tensors(mask, prox_logp=prox_logp, behav_logp=behav_logp)
     check_sequence_tensor("versions", versions, m.shape[0])
     counts = count_version_tokens(versions, m)
-    rho, metrics = pmis_behavior_weights(
-        prox_logp, behav_logp, m, versions, is_level=is_level, is_mode=is_mode,
-        is_threshold=is_threshold, is_threshold_lower=is_threshold_lower,
-        is_veto_threshold=is_veto_threshold, pmis=pmis,
-        behav_logp_by_version=behav_logp_by_version, version_token_counts=counts,
-        mixture_counts=mixture_counts,
-    )
-    beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(is_level))
+    rho, metrics = pmis_behavior_weights(prox_logp, behav_logp, m, versions, is_options=opts, pmis=pmis,
+                                         behav_logp_by_version=behav_logp_by_version,
+                                         version_token_counts=counts, mixture_counts=mixture_counts)
+    beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(opts.level))
     return beta, counts, {**metrics, **beta_metrics}
 
 
@@ -342,8 +278,8 @@ def combine_versions(objective, mask, versions, beta: Mapping[int, float],
     return loss, metrics
 
 
-def _check_sg_options(is_level, is_mode, pmis, behav_clip):
-    if is_level != "token" or is_mode != "truncate" or pmis == "balance" or behav_clip is not None:
+def _check_sg_options(opts: RolloutISOptions, pmis, behav_clip):
+    if opts.level != "token" or opts.mode != "truncate" or pmis == "balance" or behav_clip is not None:
         raise ValueError(
             "surrogate='sg' uses token-level truncated weights min(exp(q-b), is_threshold): it "
             "needs is_level='token', is_mode='truncate', pmis in ('ess', 'tokens') and behav_clip=None"
@@ -366,7 +302,7 @@ def darl_policy_loss(
     `anchor="behavior"` or `"mixture"` the ratio is `R = exp(q - a)` against the sample's own
     behavior log-prob or the balance mixture, and `rho` only sets `beta_k` (`anchors.py`).
 
-    `rho` = `rollout_is_weights(prox, behav, is_level, is_mode, is_threshold, ...)`, or the
+    `rho` = `rollout_is_weights` with the `is_*` options (`RolloutISOptions`), or the
     balance-heuristic weights for `pmis="balance"`. Micro-batches: pass `beta` and
     `version_token_counts` from `pmis_batch_constants`; then the weight/beta metrics come from
     that call and are not repeated here, and the token-mean metrics here use `N = sum_k N_k`
@@ -381,11 +317,8 @@ def darl_policy_loss(
         versions: `[B]`, the behavior version of each sequence (the split into `S_k`).
         clip_low: `r` is clipped below at `1 - clip_low`, in `[0, 1)`.
         clip_high: `r` is clipped above at `1 + clip_high`, >= 0.
-        is_level: `token`, `sequence` or `geometric` (`rollout_is_weights`); `balance` and `sg` need `token`.
-        is_mode: `truncate` or `mask`/`clip` (`rollout_is_weights`'s `mode`); `sg` needs `truncate`.
-        is_threshold: the upper bound on a weight, > 0 (`C` of `surrogate="sg"`).
-        is_threshold_lower: `mask` mode's lower bound; None means `1/is_threshold`.
-        is_veto_threshold: the per-token ratio below which a row is zeroed; None disables the veto.
+        is_level, is_mode, is_threshold, is_threshold_lower, is_veto_threshold: the rollout-IS options,
+            `RolloutISOptions`'s `level`, `mode`, `threshold` (`C` of `sg`), `threshold_lower`, `veto_threshold`.
         pmis: how `beta_k` is set: `ess` (by each version's ESS), `tokens` (`N_k / N`) or `balance`
             (`N_k / N`, with balance-heuristic `rho`; not with `sg`).
         ratio_level: `token`, or `sequence` for GSPO-style ratios (`policy_log_ratio`).
@@ -409,20 +342,18 @@ def darl_policy_loss(
                          f"surrogate='clip' and behav_clip=None (got {surrogate!r}, {behav_clip!r})")
     m = check_token_tensors(mask, logp=logp, prox_logp=prox_logp, behav_logp=behav_logp)
     check_sequence_tensor("versions", versions, m.shape[0])
+    opts = RolloutISOptions(is_level, is_mode, is_threshold, is_threshold_lower, is_veto_threshold)
     metrics: dict[str, torch.Tensor] = {}
     if surrogate == "sg":
-        _check_sg_options(is_level, is_mode, pmis, behav_clip)
-        obj, rho, _ = sg_objective(logp, behav_logp, advantages, m, threshold=is_threshold)
+        _check_sg_options(opts, pmis, behav_clip)
+        obj, rho, _ = sg_objective(logp, behav_logp, advantages, m, threshold=opts.threshold)
     else:
         if prox_logp is None:
             raise ValueError("surrogate='clip' needs prox_logp")
-        rho, is_metrics = pmis_behavior_weights(
-            prox_logp, behav_logp, m, versions, is_level=is_level, is_mode=is_mode,
-            is_threshold=is_threshold, is_threshold_lower=is_threshold_lower,
-            is_veto_threshold=is_veto_threshold, pmis=pmis,
-            behav_logp_by_version=behav_logp_by_version, version_token_counts=version_token_counts,
-            mixture_counts=mixture_counts,
-        )
+        rho, is_metrics = pmis_behavior_weights(prox_logp, behav_logp, m, versions, is_options=opts, pmis=pmis,
+                                                behav_logp_by_version=behav_logp_by_version,
+                                                version_token_counts=version_token_counts,
+                                                mixture_counts=mixture_counts)
         clip = dict(clip_low=clip_low, clip_high=clip_high, ratio_level=ratio_level)
         if anchor == "proximal":
             old = prox_logp
@@ -439,7 +370,7 @@ def darl_policy_loss(
         den = torch.as_tensor(total, dtype=logp.dtype, device=logp.device).clamp(min=1.0)
         metrics.update(surrogate_metrics(flags, logp, old, m, den))
     if beta is None:
-        beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(is_level))
+        beta, beta_metrics = pmis_coefficients(versions, rho, m, mode=pmis, level=ess_level(opts.level))
         metrics.update(beta_metrics)
     loss, loss_metrics = combine_versions(obj, m, versions, beta, version_token_counts)
     metrics.update(loss_metrics)

@@ -344,7 +344,8 @@ def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict) -> dict[st
                      for k, v in (batch.behav_logprobs_by_version or {}).items()}
             by_version, _ = balance_logp(whole, given, prox, behav,
                                          _token_versions(batch, np.arange(batch.batch_size), versions))
-        rho, out = algo.pmis_behavior_weights(prox, behav, mask, versions, **_is_kwargs(a), pmis=whole["pmis"],
+        is_options = algo.RolloutISOptions(level=a.rollout_is or "token", **_weight_kwargs(a))
+        rho, out = algo.pmis_behavior_weights(prox, behav, mask, versions, is_options=is_options, pmis=whole["pmis"],
                                               behav_logp_by_version=by_version, version_token_counts=whole["counts"],
                                               mixture_counts=whole.get("mix"))
     else:

@@ -1,17 +1,21 @@
 """P-MIS coefficients, balance weights and darl_policy_loss: references, equivalences,
-finite-difference gradients and micro-batch additivity."""
+finite-difference gradients, micro-batch additivity and the rollout-IS options object."""
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 
 from megatron_darl.algo import (
+    RolloutISOptions,
     balance_weights,
     darl_policy_loss,
     decoupled_ppo_loss,
     interpolate_version_logp,
     pmis_batch_constants,
+    pmis_behavior_weights,
     pmis_coefficients,
     ppo_loss,
     rollout_is_weights,
@@ -258,3 +262,40 @@ def test_tokens_mode_with_areal_cap_is_decoupled_ppo():
     b, metrics = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=1.5)
     assert float(metrics["algo/is/frac_capped"]) > 0  # the cap acts on this data
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("fn", [darl_policy_loss, pmis_batch_constants])
+def test_the_public_is_keywords_are_the_options_fields_with_their_defaults(fn):
+    # verl and AReaL callers pass is_level=..., is_threshold=...: the keywords stay, and each one
+    # must default to what RolloutISOptions defaults to (the loss builds the object from them)
+    params = inspect.signature(fn).parameters
+    for f in dataclasses.fields(RolloutISOptions):
+        p = params[f"is_{f.name}"]
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == f.default, (fn.__name__, f.name)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(level="sequence", mode="mask", threshold=3.0),
+                                  dict(level="geometric", mode="clip", threshold=1.5, threshold_lower=0.2),
+                                  dict(threshold=1.2, veto_threshold=None), dict(veto_threshold=0.3)])
+def test_behavior_weights_from_the_options_are_rollout_is_weights(opts):
+    _, prox, behav, _, mask, versions = ref.rand_inputs(7, 6, seed=29, scale=0.9, empty_rows=[2])
+    rho, metrics = pmis_behavior_weights(prox, behav, mask, versions, is_options=RolloutISOptions(**opts))
+    want, want_metrics = rollout_is_weights(prox, behav, mask, **opts)
+    assert torch.equal(rho, want) and metrics.keys() == want_metrics.keys()
+    assert all(torch.equal(metrics[k], want_metrics[k]) for k in want_metrics)
+    # the keywords reach the same weights through the loss: its beta_k is the options' ESS beta
+    loss_kw = {f"is_{k}": v for k, v in opts.items()}
+    _, loss_metrics = darl_policy_loss(prox, prox, behav, torch.ones(7, dtype=prox.dtype), mask, versions, **loss_kw)
+    beta, _ = pmis_coefficients(versions, want, mask, level="token" if opts.get("level", "token") == "token"
+                                else "sequence")
+    assert all(torch.equal(loss_metrics[f"algo/beta/v{k}"], torch.tensor(b)) for k, b in beta.items())
+
+
+def test_the_options_are_frozen_and_balance_needs_token_level():
+    opts = RolloutISOptions(level="sequence")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.threshold = 3.0
+    _, prox, behav, _, mask, versions = ref.rand_inputs(3, 4, seed=30)
+    with pytest.raises(ValueError, match="is_level='token', got 'sequence'"):
+        pmis_behavior_weights(prox, behav, mask, versions, is_options=opts, pmis="balance",
+                              behav_logp_by_version={k: behav for k in range(3)})
