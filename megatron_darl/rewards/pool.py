@@ -3,7 +3,8 @@
 What it is: `RewardPool(config)` keeps `num_workers` worker processes (worker.py), each grading
 one item at a time. `await pool.ascore(items)` grades a batch concurrently and returns one
 RewardResult per item, in order. A worker that overruns `timeout_s` is killed with its whole
-process group and replaced; its item scores 0 with status "timeout". A worker that dies or a
+process group and replaced; its item scores 0 with status "timeout", and the memory cgroups
+of the program it was running are removed (a pool also removes, at start, those a crash left). A worker that dies or a
 grader that raises scores 0 with status "error". Both are counted (`metrics()`) and logged.
 What it is not: a general task queue, or usable from two event loops at once: one loop drives
 it at a time (a later `asyncio.run` may take it over when the first is done).
@@ -28,6 +29,7 @@ from dataclasses import asdict
 from megatron_darl.config.rewards import RewardConfig
 from megatron_darl.rewards.api import RewardInput, RewardResult
 from megatron_darl.rewards.sandbox import SandboxLimits, kill_uid, root_path
+from megatron_darl.rewards.sandbox_cgroup import sweep as sweep_cgroups
 from megatron_darl.rewards.worker import load_reward_fn
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ class _Worker:
             # main thread id); without a PID namespace it would outlive the worker. As a user it
             # always has one, whose PID 1 dies with its launcher (sandbox_launcher.py)
             kill_uid(uid_base + self.proc.pid)
+        # the memory cgroup of the program it was running (root path): its own `remove` never ran
+        sweep_cgroups(owner=self.proc.pid)
         shutil.rmtree(self.tmp, ignore_errors=True)
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
@@ -129,6 +133,7 @@ class RewardPool:
         if config.fn:
             load_reward_fn(config.fn)  # a wrong import path fails here, not in every worker
         self.config = config
+        sweep_cgroups()  # sandbox cgroups a crashed pool's workers left behind
         self.timeouts = 0
         self.errors = 0
         self.items = 0

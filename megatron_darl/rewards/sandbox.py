@@ -11,7 +11,9 @@ sandbox watches); where the kernel refuses the isolation the program does not ru
 enforces the wall-time limit by killing the launcher's whole session. Both paths give the program
 its own user, network, mount, PID and IPC namespaces, a new read-only nosuid root showing only the
 system folders and the interpreter (benchmark data hidden: HIDDEN_PACKAGE_DATA), its own /proc, a
-minimal /dev, no new privileges, no further user namespace and a fresh session keyring:
+minimal /dev, no new privileges, no further user namespace, a fresh session keyring and a seccomp
+filter that denies the calls reaching quotas shared with the host (sandbox_seccomp.py: without
+libseccomp, SandboxRefused):
   root   a dedicated uid per caller thread (`uid_base + native thread id`), so that no two
          sandboxes share a process budget (RLIMIT_NPROC) or the final `kill(-1)` (`kill_uid`)
   user   any other uid (a cluster job; sandbox_userns.py): the program as uid 1000 of a nested
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 
 from megatron_darl.rewards.sandbox_cgroup import memory_cgroup, oom_kills
 from megatron_darl.rewards.sandbox_cgroup import remove as remove_cgroup
+from megatron_darl.rewards.sandbox_seccomp import SeccompMissing, filter_bpf
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 MAX_CAPTURE = 1 << 20  # bytes of stdout/stderr read back; the file-size limit caps the rest
@@ -255,6 +258,8 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cg
         # benchmark data inside those installs, hidden under an empty folder
         "hide": hidden_data(),
         "cgroup": cgroup,
+        # the seccomp filter (BPF compiled by libseccomp here): calls that reach host quotas
+        "seccomp": _seccomp() if isolate else None,
         "cpu_s": int(limits.cpu_s),
         "memory_mb": int(limits.memory_mb),
         "max_procs": int(limits.max_procs),
@@ -266,6 +271,13 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cg
     for key, text in (("program", program), ("stdin", stdin)):
         with open(paths[key], "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def _seccomp() -> bytes:
+    try:
+        return filter_bpf()
+    except SeccompMissing as exc:
+        raise SandboxRefused(str(exc)) from None
 
 
 @functools.cache

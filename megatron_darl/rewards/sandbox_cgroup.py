@@ -6,7 +6,10 @@ hard limit of `limit_mb` MiB of memory and no swap beyond it, and returns its fo
 where the machine does not allow it (an ordinary user without a delegated cgroup, a read-only
 /sys/fs/cgroup in a container). The sandbox launcher moves itself into it before it starts the
 program, so the program and every process it starts share that one limit; the kernel's OOM
-killer ends the program past it. `remove(folder)` deletes it once the program is gone.
+killer ends the program past it. `remove(folder)` deletes it once the program is gone;
+`sweep(owner)` kills what is left in, and deletes, the cgroups a process made (`owner`: the pool,
+when it kills a worker mid-run; None: every one whose maker is dead, when a pool starts, for those
+a crash left behind). A cgroup is named after the process that made it: darl-sandbox-PID-HEX.
 What it is not: the fallback where no cgroup can be made: there PID 1 of the sandbox watches the
 resident memory of the program's processes (sandbox_launcher.py, `_watch_memory`).
 """
@@ -14,10 +17,13 @@ resident memory of the program's processes (sandbox_launcher.py, `_watch_memory`
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import signal
 import time
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+_NAME = re.compile(r"darl-sandbox-([0-9]+)-[0-9a-f]+")
 
 
 def _own_paths() -> dict[str, str]:
@@ -123,3 +129,58 @@ def remove(folder: str | None, attempts: int = 50) -> None:
             return
         except OSError:
             time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_members(folder: str) -> None:
+    """SIGKILL every process in the cgroup (v2: cgroup.kill, Linux 5.14+; else one by one)."""
+    try:
+        _write(folder, "cgroup.kill", "1")
+        return
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(folder, "cgroup.procs")) as f:
+            pids = [int(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def sweep(owner: int | None = None) -> int:
+    """Kill and delete the sandbox cgroups made by process `owner` (None: by any process that is
+    no longer alive) under our memory cgroup; how many were deleted."""
+    try:
+        found = _parent_folder()
+        names = os.listdir(found[0]) if found else []
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None:
+            continue
+        maker = int(match.group(1))
+        if (maker != owner) if owner is not None else _alive(maker):
+            continue
+        folder = os.path.join(found[0], name)
+        for _ in range(20):  # a process may still be starting in it: kill until it empties
+            _kill_members(folder)
+            remove(folder, attempts=5)
+            if not os.path.isdir(folder):
+                removed += 1
+                break
+    return removed

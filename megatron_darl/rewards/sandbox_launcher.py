@@ -16,7 +16,8 @@ In both, PID 1 of the PID namespace going away ends every process the program st
 program gets a scrubbed environment and CPU-time, address-space, file-size and process-count
 limits; its memory as a whole is capped by a memory cgroup (spec "cgroup", which the launcher
 joins first) where the machine gives one, else PID 1 kills the program once its processes hold
-more resident memory together than the limit (checked every WATCH_S). Its exit status is the
+more resident memory together than the limit, SysV shared memory no process holds included
+(checked every WATCH_S). Its exit status is the
 program's (128 + signal when a signal ended it), and it writes what isolation it achieved, or why
 it refused, to a report file.
 What it is not: importable library code (stdlib only, no package imports, so it starts fast and
@@ -132,6 +133,7 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
         # after the nested namespace: RLIMIT_NPROC (5.15+) counts the processes of this user in
         # this namespace, i.e. of this program only; set earlier it would cap the levels above
         _set_limits(spec)
+        _userns().load_filter(libc, spec.get("seccomp"))
     else:
         _set_limits(spec)
         uid = spec["uid"]
@@ -144,6 +146,7 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
             if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
                 os._exit(125)
             _userns().join_session_keyring(libc)
+            _userns().load_filter(libc, spec.get("seccomp"))  # after the join: it denies keyctl
     os.chdir(scratch)
     prelude = PRELUDE.format(
         block_net="net" not in isolation, block_fs="mount" not in isolation, scratch=scratch
@@ -216,9 +219,29 @@ def _resident_bytes() -> int:
     return total
 
 
+def _detached_shm_bytes() -> int:
+    """Resident memory of the SysV shared memory segments of the sandbox's IPC namespace that no
+    process has attached: resident in no process, so `_resident_bytes` cannot see it."""
+    try:
+        with open("/proc/sysvipc/shm", "rb") as f:
+            header, *rows = f.read().split(b"\n")
+    except OSError:
+        return 0
+    names = header.split()
+    if b"rss" not in names or b"nattch" not in names:
+        return 0
+    rss, nattch = names.index(b"rss"), names.index(b"nattch")
+    total = 0
+    for row in rows:
+        fields = row.split()
+        if len(fields) > max(rss, nattch) and fields[nattch] == b"0":
+            total += int(fields[rss])
+    return total
+
+
 def _watch_memory(spec: dict) -> None:
     """Without a memory cgroup: past the limit for the program as a whole, kill all of it."""
-    held = _resident_bytes()
+    held = _resident_bytes() + _detached_shm_bytes()
     limit = spec["memory_mb"] * 1024 * 1024
     if held <= limit:
         return

@@ -44,7 +44,7 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "arm64": 219, "riscv64": 219, "ppc64le": 250, "ppc64": 250,
               "s390x": 280, "loongarch64": 219}
 KEYCTL_JOIN_SESSION_KEYRING = 1
-PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 4, 38, 22, 2
 PROGRAM_UID = 1000  # the program's uid in its own user namespace (ns2)
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 DEVICES = ("null", "zero", "random", "urandom")
@@ -219,6 +219,21 @@ def join_session_keyring(libc) -> None:
         raise OSError(0, f"keyctl: no syscall number known for {os.uname().machine}")
     if libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() != errno.ENOSYS:
         raise OSError(ctypes.get_errno(), why("keyctl(KEYCTL_JOIN_SESSION_KEYRING)"))  # ENOSYS: no keys at all
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def load_filter(libc, bpf) -> None:
+    """Install the seccomp filter (sandbox_seccomp.py, compiled by libseccomp in the caller) on
+    this process and all it starts; after no-new-privileges and the session keyring it denies."""
+    if not bpf:
+        return
+    program = ctypes.create_string_buffer(bpf, len(bpf))
+    fprog = _SockFprog(len(bpf) // 8, ctypes.cast(program, ctypes.c_void_p))
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), why("prctl(PR_SET_SECCOMP)"))
 
 
 def drop(libc) -> None:
