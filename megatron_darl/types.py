@@ -166,13 +166,19 @@ class TrainBatch:
 class WeightVersion:
     """A published set of policy weights: what engines load to move to `version`.
 
-    `kind` says where the Hugging Face-named tensors lie: "disk" (a safetensors folder at
-    `location`, for /update_weights_from_disk), "shm" (a shared-memory segment name, for an
-    embedded engine on the same node) or "nccl" (a broadcast group name, GPU clusters).
+    `weight_sync` is how this version reaches the engines: the `rollout.weight_sync` setting as
+    `RolloutConfig.effective_weight_sync` resolves it. "shm" and "disk": `location` is a folder
+    of Hugging Face-named safetensors that engines load with /update_weights_from_disk, under
+    /dev/shm (embedded engines beside the learner) or on a shared file system. "distributed":
+    the learner broadcasts the tensors to the paused engines over a process group
+    (`rollout/weight_push.py`); there is no folder, and `location` is only a label,
+    `<learner address>#v<version>`.
+    Serialized as JSON under these field names; files written before the field was renamed
+    call it `kind` (`channel/weight_notice.weight_version_from_json` reads both).
     """
 
     version: int
-    kind: str
+    weight_sync: str  # "shm" | "disk" | "distributed"
     location: str
     num_bytes: int = 0
 

@@ -20,13 +20,16 @@ from megatron_darl.types import WeightVersion
 
 
 def weight_version_from_json(d: dict[str, Any], where: str) -> WeightVersion:
+    """A `WeightVersion` from its JSON object. Notices and rollout states written before the
+    field was renamed call `weight_sync` `kind`: read too, so a run resumes across the change."""
     try:
+        sync = d["kind"] if "kind" in d and "weight_sync" not in d else d["weight_sync"]
         return WeightVersion(
-            version=int(d["version"]), kind=str(d["kind"]), location=str(d["location"]),
+            version=int(d["version"]), weight_sync=str(sync), location=str(d["location"]),
             num_bytes=int(d.get("num_bytes", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: bad weight version {d!r} (needs version, kind, location): {exc}") from None
+        raise ValueError(f"{where}: bad weight version {d!r} (needs version, weight_sync, location): {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ async def _arun(cfg: RunConfig, urls: list[str], prompts: list, tokenizer, final
     engines = [SGLangClient(u, api_key=cfg.rollout.api_key, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
     try:
         if final_model is not None:
-            final = WeightVersion(version=cfg.train.steps, kind="disk", location=final_model)
+            final = WeightVersion(version=cfg.train.steps, weight_sync="disk", location=final_model)
             for e in engines:
                 await e.aupdate_weights(final)
         with RewardPool(cfg.reward) as pool:

@@ -309,7 +309,7 @@ class EnginePool:
         paused: an engine whose pause or update failed is down, but resumed, unless it may hold
         part of a version (it resumes once it has loaded a whole one)."""
         slots = [s for s in live if s.up]
-        if weights.kind == "distributed":
+        if weights.weight_sync == "distributed":
             await self.apush_distributed(weights, slots)
         else:
             await asyncio.gather(*(self.acontrol(s, "update_weights", lambda s=s: s.engine.aupdate_weights(weights))
@@ -379,7 +379,7 @@ class EnginePool:
         """Load the current weights on a down engine and resume it; True once it is back up."""
         async with self.update_lock:  # an engine returns with the current weights, never between
             ok = True
-            if self.weights is not None and self.weights.kind == "distributed":
+            if self.weights is not None and self.weights.weight_sync == "distributed":
                 await self.apush_distributed(self.weights, [slot])  # a new group: new incarnation
                 ok = slot.version >= self.weights.version
             elif self.weights is not None:

@@ -120,9 +120,9 @@ class SGLangClient:
         """Load a published version. "disk" and "shm" are both HF folders (shm: under /dev/shm
         on this node) loaded through /update_weights_from_disk; "distributed" versions are pushed
         by the learner's broadcast (`trainer/weight_sender.py`), never through this call."""
-        if weights.kind not in ("disk", "shm"):
+        if weights.weight_sync not in ("disk", "shm"):
             raise ValueError(
-                f"SGLangClient.aupdate_weights: kind {weights.kind!r} is not a folder; a 'distributed' "
+                f"SGLangClient.aupdate_weights: weight_sync {weights.weight_sync!r} is not a folder; a 'distributed' "
                 "version is sent by the learner: ainit_weights_update_group once, then "
                 "abegin_weight_update, then aupdate_weights_from_distributed while the learner broadcasts, "
                 "then aend_weight_update")

@@ -61,7 +61,7 @@ async def apush_distributed(client: TransferClient, weights: WeightVersion, slot
         log.warning("engine %d (%s): broadcast of version %d failed (%s); loading %s from disk instead",
                     s.index, s.engine.url, result.version, why, result.fallback)
         pool.count("weight_sync_fallbacks")
-        folder = WeightVersion(version=result.version, kind="disk", location=result.fallback)
+        folder = WeightVersion(version=result.version, weight_sync="disk", location=result.fallback)
         if await pool.acontrol(s, "update_weights (disk fallback)",
                                lambda s=s, folder=folder: s.engine.aupdate_weights(folder)):
             s.version, s.partial = result.version, False

@@ -107,7 +107,7 @@ class Publisher:
                 shutil.rmtree(out, ignore_errors=True)
                 raise NonFiniteWeights(version, bad)
             size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-            self.notify(WeightVersion(version=version, kind=self.weight_sync, location=out, num_bytes=size),
+            self.notify(WeightVersion(version=version, weight_sync=self.weight_sync, location=out, num_bytes=size),
                         consumed=consumed, new_groups=new_groups)
             self._collect_garbage(version)
         self.last_publish_s = time.perf_counter() - t0
@@ -128,7 +128,7 @@ class Publisher:
         self.sender.stage(version, staged)
         size = sum(t.numel() * t.element_size() for bucket in staged for _, t in bucket)
         where = f"{self.sender.master_address}#v{version}"
-        self.notify(WeightVersion(version=version, kind="distributed", location=where, num_bytes=size),
+        self.notify(WeightVersion(version=version, weight_sync="distributed", location=where, num_bytes=size),
                     consumed=consumed, new_groups=new_groups)
         self._collect_garbage(version)  # fallback folders, when any engine needed one
 

@@ -111,7 +111,8 @@ def test_distributed_stages_only_finite_versions_and_writes_no_file(tmp_path, ba
                     "distributed", sender=sender)
     pub.publish(1)
     notice = read_notice(str(tmp_path / "notice.json"))
-    assert notice.weights.kind == "distributed" and notice.weights.version == 1 and [v for v, _ in sender.staged] == [1]
+    assert notice.weights.weight_sync == "distributed" and notice.weights.version == 1
+    assert [v for v, _ in sender.staged] == [1]
     assert os.listdir(tmp_path / "weights") == []  # nothing for an engine to read
     learner.poison = {"model.layers.1.mlp.down_proj.weight": bad}
     with pytest.raises(RuntimeError) as exc:

@@ -102,7 +102,7 @@ def reference_losses(cfg, steps: int, work_dir: str) -> list[dict]:
             store.commit(step, cands.group_ids[chosen])
             folder = os.path.join(work_dir, f"ref_v{step + 1}")
             learner.export_hf(folder)
-            loop.run_until_complete(engine.aupdate_weights(WeightVersion(version=step + 1, kind="disk",
+            loop.run_until_complete(engine.aupdate_weights(WeightVersion(version=step + 1, weight_sync="disk",
                                                                          location=folder, num_bytes=0)))
             ids = sorted({t.prompt_id for t in trajs})
             out.append({"step": step, "train/loss": metrics["train/loss"],

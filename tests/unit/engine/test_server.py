@@ -103,7 +103,7 @@ def test_pause_update_continue_gives_two_versions(world, mode):
             task = asyncio.create_task(client.agenerate(request("upd", prompt,
                                                                 max_new_tokens=n, ignore_eos=True, seed=5)))
             k = await _await_progress(client, mode, task)
-            await client.aupdate_weights(WeightVersion(version=version, kind="disk", location=str(world["root"] / new)))
+            await client.aupdate_weights(WeightVersion(version, "disk", str(world["root"] / new)))
             after = await client.amodel_info()
             await client.aresume()
             return k, await task, old, new, version, after
@@ -142,7 +142,7 @@ def test_bad_weights_give_400_naming_tensor_and_keep_version(world):
         async with SGLangClient(world["keyed"], api_key=KEY) as client:
             before = (await client.amodel_info())["weight_version"]
             with pytest.raises(EngineHTTPError) as err:
-                await client.aupdate_weights(WeightVersion(version=99, kind="shm",
+                await client.aupdate_weights(WeightVersion(version=99, weight_sync="shm",
                                                            location=str(world["root"] / "wide")))
             resp = await client.agenerate(request("still", [1, 2], max_new_tokens=3, ignore_eos=True))
             return before, err.value, resp

@@ -102,7 +102,7 @@ def test_client_is_a_rollout_engine_and_refuses_a_broadcast_version_through_the_
     client = SGLangClient("http://127.0.0.1:1/")
     assert isinstance(client, RolloutEngine) and client.url == "http://127.0.0.1:1"
     with pytest.raises(ValueError, match="aupdate_weights_from_distributed"):
-        asyncio.run(client.aupdate_weights(WeightVersion(version=1, kind="distributed", location="127.0.0.1#v1")))
+        asyncio.run(client.aupdate_weights(WeightVersion(1, "distributed", "127.0.0.1#v1")))
 
 
 def test_client_from_rollout_config():

@@ -257,6 +257,31 @@ def test_scorer_failure_reruns_group_once():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("key", ["weight_sync", "kind"])  # kind: a state saved before the rename
+def test_a_saved_states_weights_resume_under_either_name_and_nothing_else_loads(key):
+    cfg, engines, prompts, sink, wf = make(n_prompts=3)
+    weights = {"version": 2, key: "disk", "location": "/dead/run/v2", "num_bytes": 1}
+    state = {"format": 1, "version": 2, "loader": {"pos": 0}, "episodes": [], "counters": {"groups_written": 5},
+             "gate": None, "weights": weights}
+
+    async def main():
+        mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+        mgr.load_state_dict(state)
+        run = asyncio.create_task(mgr.arun())
+        await asyncio.sleep(0.05)
+        assert not any(e.requests for e in engines), "no request before the version is published"
+        await mgr.aupdate_weights(WeightVersion(2, "disk", "/w/2"))
+        await asyncio.wait_for(run, 30)
+        return mgr.metrics()
+
+    assert asyncio.run(main())["rollout/groups_written"] == 5 + 3 and len(sink.groups) == 3
+    assert all(e.updates == [2] for e in engines)
+    mgr = RolloutManager(cfg, engines, prompts, wf, sink)
+    with pytest.raises(ValueError, match=r"rollout state 'weights': bad weight version .*: 'weight_sync'"):
+        mgr.load_state_dict({**state, "weights": {"version": 2, "location": "/w/2"}})
+
+
+@pytest.mark.timeout(60)
 def test_state_round_trip_resumes_partials_and_loses_nothing():
     cfg, engines, prompts, sink, wf = make(n_prompts=10, step_s=0.01, max_new_tokens=30)
 
@@ -274,6 +299,7 @@ def test_state_round_trip_resumes_partials_and_loses_nothing():
     partial = {e["uid"]: [s["output_ids"] for s in e["samples"]] for e in state["episodes"]}
     assert state["episodes"] and any(any(p) for p in partial.values()), "partial tokens are in the state"
     assert state["version"] == 1 and state["loader"]["pos"] == len(sink.groups) + len(state["episodes"])
+    assert state["weights"] == {"version": 1, "weight_sync": "disk", "location": "/w/1", "num_bytes": 0}
 
     cfg2, engines2, prompts2, sink2, wf2 = make(n_prompts=10, step_s=0.002, max_new_tokens=30)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -34,7 +35,7 @@ def test_notice_round_trip_and_poller_reports_changes_once(tmp_path):
 
 def test_readers_never_see_a_torn_notice(tmp_path):
     path = str(tmp_path / "notice.json")
-    publish_notice(path, WeightNotice(WeightVersion(0, "shm", "seg0")))
+    publish_notice(path, WeightNotice(WeightVersion(0, "shm", "/dev/shm/darl/v0")))
     big = "x" * 200_000  # a large payload makes a non-atomic write observable
     stop, seen, errors = threading.Event(), [], []
 
@@ -63,6 +64,18 @@ def test_bad_notice_names_the_file(tmp_path):
     path.write_text('{"weights": {"version": 1}}')
     with pytest.raises(ValueError, match="notice.json: bad weight version"):
         read_notice(str(path))
+
+
+def test_a_notice_names_the_weight_sync_setting_and_one_written_as_kind_still_reads(tmp_path):
+    """`WeightVersion.weight_sync` was `kind`: a notice a learner of before the rename wrote
+    (same file, old key) reads as the same version."""
+    path = tmp_path / "notice.json"
+    publish_notice(str(path), WeightNotice(WeightVersion(2, "distributed", "10.0.0.1#v2", 8)))
+    written = json.loads(path.read_text())["weights"]
+    assert written == {"version": 2, "weight_sync": "distributed", "location": "10.0.0.1#v2", "num_bytes": 8}
+    written["kind"] = written.pop("weight_sync")
+    path.write_text(json.dumps({"weights": written}))
+    assert read_notice(str(path)).weights == WeightVersion(2, "distributed", "10.0.0.1#v2", 8)
 
 
 def test_status_round_trip(tmp_path):
