@@ -38,10 +38,8 @@ class RolloutConfig:
     filter_equal_rewards: bool = False  # DAPO-style: drop groups whose rewards are all equal
     # how versions reach engines: "shm" (HF folder in /dev/shm, embedded engines on this node), "disk"
     # (folder on a shared file system), "distributed" (broadcast over a process group through SGLang's
-    # /update_weights_from_distributed: NCCL on GPUs, gloo on CPU; no file), "auto": shm for embedded
-    # engines (backend torch) on the learner's node, disk for SGLang servers (started or engine_urls) and
-    # for embedded engines on the rollout nodes of a Slurm job (launch.rollout_nodes > 0); never
-    # distributed (see effective_weight_sync)
+    # /update_weights_from_distributed: NCCL on GPUs, gloo on CPU; no file), "auto": shm or disk by
+    # where the engines run, never distributed (the rule: `weight_folder_kind`)
     weight_sync: str = "auto"
     weight_sync_timeout_s: float = 120.0  # distributed: bound of every join and broadcast of the weight groups
 
@@ -52,22 +50,22 @@ class RolloutConfig:
     }
 
     def effective_weight_sync(self, engines_on_rollout_nodes: bool) -> str:
-        """How versions reach the engines, with `auto` resolved: "shm", "disk" or "distributed".
-
-        `engines_on_rollout_nodes`: the engines run on nodes of their own, not the learner's
-        (`launch.mode=slurm` with `launch.rollout_nodes > 0`). A set value is kept as it is;
-        `auto` is "shm" for embedded engines (backend torch) beside the learner, whose
-        /dev/shm they share, and "disk" otherwise: SGLang servers (started by the launcher or
-        given as engine_urls, which may run anywhere) and embedded engines on rollout nodes."""
+        """How versions reach the engines: "shm", "disk" or "distributed". A set value is kept
+        as it is; `auto` is the folder `weight_folder_kind` picks."""
         if self.weight_sync != "auto":
             return self.weight_sync
         return self.weight_folder_kind(engines_on_rollout_nodes)
 
     def weight_folder_kind(self, engines_on_rollout_nodes: bool) -> str:
-        """Where a version's folder goes, "shm" (/dev/shm) or "disk" (the run folder): the
-        set `shm` or `disk`; else (`auto`, and `distributed`, which writes a folder only for an
-        engine whose broadcast failed) "shm" for embedded engines beside the learner, "disk"
-        for SGLang servers and for engines on rollout nodes (`effective_weight_sync`'s rule)."""
+        """Where a version's folder goes: "shm" (/dev/shm) or "disk" (the run folder). This is
+        the `auto` rule, for `auto` itself and for `distributed` (which writes a folder only for
+        an engine whose broadcast failed); a set `shm` or `disk` is kept.
+
+        `engines_on_rollout_nodes`: the engines run on nodes of their own, not the learner's
+        (`launch.mode=slurm` with `launch.rollout_nodes > 0`). "shm" for embedded engines
+        (backend torch) beside the learner, whose /dev/shm they share; "disk" otherwise: SGLang
+        servers (started by the launcher or given as engine_urls, which may run anywhere) and
+        embedded engines on rollout nodes."""
         if self.weight_sync in ("shm", "disk"):
             return self.weight_sync
         return "shm" if self.backend == "torch" and not engines_on_rollout_nodes else "disk"
