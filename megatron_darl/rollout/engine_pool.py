@@ -9,6 +9,7 @@ with the current weights. It pauses the engines for a weight update and loads a 
 from a folder, or by the learner's broadcast (`weight_push.py`). An engine whose distributed
 transfer failed may hold part of a version (SGLang loads each bucket as it arrives): it is left
 paused, gets no requests, and the health loop has it load a whole version before it resumes.
+It keeps its own counters (`POOL_COUNTERS`), which the manager reports and saves with its own.
 What it is not: admission, episodes, notices or the rollout state (`manager.py`), nor an engine
 client (`api.RolloutEngine`, `sglang_client.py`).
 """
@@ -31,7 +32,14 @@ from megatron_darl.rollout.weight_push import apush_distributed
 from megatron_darl.rollout.workflow import SampleState
 from megatron_darl.types import GenerateRequest, GenerateResponse, SamplingParams, WeightVersion
 
-log = logging.getLogger("megatron_darl.rollout.manager")  # the manager process's log, under one name
+log = logging.getLogger(__name__)
+
+# what the pool counts; the manager reports them with its own as `rollout/<name>` and saves them
+# in its state (a stable key set: zero until something happens)
+POOL_COUNTERS = (
+    "requests", "requeued_requests", "aborted_requests", "restarted_samples", "tokens_generated",
+    "requests_refused", "engine_failures", "engine_restarts", "engine_recoveries", "weight_sync_fallbacks",
+)
 
 # answers that refuse the request, not the engine (SGLang and darl-engine: a field out of range, a
 # prompt past the context, a body or batch past a bound): the group is dropped, the engine stays up
@@ -126,7 +134,6 @@ class EnginePool:
         engines: list[RolloutEngine],
         *,
         signal: Signal,
-        counts: collections.Counter[str],
         restarter: EngineRestarter | None = None,
         notice_path: str | None = None,  # the learner answers transfer requests beside it
         initial_version: int = 0,
@@ -141,7 +148,6 @@ class EnginePool:
             config: the `rollout` section (`max_concurrent_per_engine`, `request_timeout_s`, `weight_sync`).
             engines: the engine clients, in index order.
             signal: the manager's wake-up signal, notified whenever a slot frees or an engine goes down.
-            counts: the manager's counter set, shared (`engine_failures`, `engine_restarts`, ...).
             restarter: replaces a dead embedded engine with a new process; None: down engines are only
                 probed and resumed, never restarted.
             notice_path: the learner's weight notice file, beside which it answers transfer requests;
@@ -160,7 +166,8 @@ class EnginePool:
         self.weights: WeightVersion | None = None
         self.paused = False  # a weight update is under way: no request is dispatched
         self.update_lock = asyncio.Lock()
-        self._signal, self._counts, self._clock = signal, counts, clock
+        self._signal, self._clock = signal, clock
+        self.counts: collections.Counter[str] = collections.Counter({k: 0 for k in POOL_COUNTERS})
         self._restarter, self._notice_path = restarter, notice_path
         self._health_s, self._restart_grace_s = health_interval_s, restart_grace_s
         self._group_tag = group_tag(run_id)  # weight_sync=distributed: new names at every manager start
@@ -184,7 +191,14 @@ class EnginePool:
         return sum(s.busy_total(self._clock()) for s in self.slots)
 
     def count(self, name: str, n: float = 1) -> None:
-        self._counts[name] += n
+        """Add `n` to one of POOL_COUNTERS (the key set is stable: an unknown name is a bug)."""
+        if name not in self.counts:
+            raise KeyError(f"EnginePool.count: {name!r} is not one of POOL_COUNTERS")
+        self.counts[name] += n
+
+    def load_counts(self, saved: dict[str, float]) -> None:
+        """Restore the counters from a saved state (names the pool does not count are ignored)."""
+        self.counts = collections.Counter({k: saved.get(k, 0) for k in POOL_COUNTERS})
 
     # ---- dispatch ------------------------------------------------------------------------
 
@@ -225,7 +239,7 @@ class EnginePool:
         exc = fut.exception()
         if exc is not None:
             if getattr(exc, "status", None) in REFUSED_STATUSES:  # the request's fault, not the engine's
-                self._counts["requests_refused"] += 1
+                self.count("requests_refused")
                 raise RequestRefused(f"engine {slot.engine.url} refused request {req.rid}: {exc}") from exc
             self.mark_down(slot, f"request {req.rid} failed: {exc!r}")
             return None
@@ -238,7 +252,7 @@ class EnginePool:
         slot.up = False
         slot.version = -1  # unknown: it may come back restarted, with its initial weights
         slot.incarnation += 1
-        self._counts["engine_failures"] += 1
+        self.count("engine_failures")
         log.warning("engine %d (%s) marked down: %s", slot.index, slot.engine.url, reason)
         for fut in list(slot.inflight.values()):
             fut.cancel()  # a dead engine answers none of them; requeue all now, not after timeouts
@@ -269,20 +283,20 @@ class EnginePool:
             )
             resp = await self.acall(slot, req)
             if resp is None:
-                self._counts["requeued_requests"] += 1
+                self.count("requeued_requests")
                 continue
             try:
                 sample.absorb(resp, keep_partial=self.config.partial_rollout)
             except ValueError as exc:
                 self.mark_down(slot, f"malformed response: {exc}")
-                self._counts["requeued_requests"] += 1
+                self.count("requeued_requests")
                 continue
-            self._counts["requests"] += 1
-            self._counts["tokens_generated"] += len(resp.output_ids)
+            self.count("requests")
+            self.count("tokens_generated", len(resp.output_ids))
             if resp.finish_reason == "abort":
-                self._counts["aborted_requests"] += 1
+                self.count("aborted_requests")
                 if not self.config.partial_rollout:
-                    self._counts["restarted_samples"] += 1
+                    self.count("restarted_samples")
 
     # ---- weight updates ------------------------------------------------------------------
 
@@ -364,7 +378,7 @@ class EnginePool:
         now = self._clock()
         if not healthy and self._restarter is not None and now - slot.last_restart >= self._restart_grace_s:
             slot.last_restart = now
-            self._counts["engine_restarts"] += 1
+            self.count("engine_restarts")
             try:
                 slot.engine = await self._restarter.arestart(slot.index, slot.engine)
             except Exception as exc:
@@ -392,7 +406,7 @@ class EnginePool:
             # resume too: it may have gone down while paused (a no-op on a running engine)
             if ok and not slot.partial and await self.acontrol(slot, "resume", slot.engine.aresume):
                 slot.up = True  # only now may requests reach it
-                self._counts["engine_recoveries"] += 1
+                self.count("engine_recoveries")
                 log.info("engine %d (%s) is back at version %d", slot.index, slot.engine.url, slot.version)
         self._signal.notify()
         return slot.up

@@ -28,7 +28,7 @@ from megatron_darl.channel.json_files import write_json_atomic
 from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, weight_version_from_json, write_status
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import AdmissionGate, PromptProvider, RolloutEngine, TrajectorySink
-from megatron_darl.rollout.engine_pool import EnginePool, EngineRestarter, RequestRefused, Signal
+from megatron_darl.rollout.engine_pool import POOL_COUNTERS, EnginePool, EngineRestarter, RequestRefused, Signal
 from megatron_darl.rollout.workflow import Episode, RolloutWorkflow, SampleState
 from megatron_darl.types import SamplingParams, WeightVersion
 
@@ -36,12 +36,11 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 
-# counters reported as `rollout/<name>` (a stable key set: zero until something happens)
-COUNTERS = (
+# what the manager counts; with the pool's (POOL_COUNTERS) reported as `rollout/<name>` and saved
+# in the state as one set (a stable key set: zero until something happens)
+MANAGER_COUNTERS = (
     "prompts_drawn", "groups_written", "samples_written", "filtered_groups", "groups_dropped",
-    "episode_retries", "requests", "requeued_requests", "aborted_requests", "restarted_samples",
-    "tokens_generated", "reward_sum", "engine_failures", "engine_restarts", "engine_recoveries",
-    "weight_updates", "weight_update_s_total", "weight_sync_fallbacks", "requests_refused",
+    "episode_retries", "reward_sum", "weight_updates", "weight_update_s_total",
 )
 
 
@@ -110,8 +109,8 @@ class RolloutManager:
         self._max_attempts = max_episode_attempts
         self._clock = clock
         self._signal = Signal()
-        self._count: collections.Counter[str] = collections.Counter({k: 0 for k in COUNTERS})
-        self._pool = EnginePool(config, engines, signal=self._signal, counts=self._count, restarter=restarter,
+        self._count: collections.Counter[str] = collections.Counter({k: 0 for k in MANAGER_COUNTERS})
+        self._pool = EnginePool(config, engines, signal=self._signal, restarter=restarter,
                                 notice_path=notice_path, initial_version=initial_version, run_id=run_id, clock=clock,
                                 health_interval_s=health_interval_s, restart_grace_s=restart_grace_s)
         self._active: dict[int, Episode] = {}  # admitted, running
@@ -236,7 +235,7 @@ class RolloutManager:
             "weights": asdict(self._pool.weights) if self._pool.weights is not None else None,
             "loader": self._prompts.state_dict(),
             "episodes": [e.to_json() for e in episodes],
-            "counters": {k: v for k, v in self._count.items()},
+            "counters": self.counters(),
             "gate": self._gate.state_dict() if hasattr(self._gate, "state_dict") else None,
         }
 
@@ -257,20 +256,26 @@ class RolloutManager:
             weight_version_from_json(w, "rollout state 'weights'")  # validated, not pushed (see above)
         self._pool.weights = None
         self._awaiting_weights = self._pool.version != self._pool.initial_version
-        self._count.clear()  # in place: the pool counts into the same set
-        self._count.update(collections.Counter({k: 0 for k in COUNTERS}, **state.get("counters", {})))
+        saved = state.get("counters", {})
+        self._count = collections.Counter({k: 0 for k in MANAGER_COUNTERS},
+                                          **{k: v for k, v in saved.items() if k not in POOL_COUNTERS})
+        self._pool.load_counts(saved)
         if self._gate is not None:
             if state.get("gate") is not None and hasattr(self._gate, "load_state_dict"):
                 self._gate.load_state_dict(state["gate"])
             self._gate.on_version(self._pool.version)
 
+    def counters(self) -> dict[str, float]:
+        """The manager's counters and its pool's, by name (what `rollout/<name>` reports)."""
+        return dict(sorted({**self._count, **self._pool.counts}.items()))
+
     def metrics(self) -> dict[str, float]:
         """Counters since the start (`rollout/...`) and rates since the last call (`perf/...`)."""
         now, busy = self._clock(), self._pool.busy_s()
         t0, busy0, samples0, tokens0, reward0, groups0 = self._window
-        c = self._count
+        c = self.counters()
         dt = max(now - t0, 1e-9)
-        out = {f"rollout/{k}": float(v) for k, v in sorted(c.items())}
+        out = {f"rollout/{k}": float(v) for k, v in c.items()}
         out.update({
             "rollout/version": float(self._pool.version),
             "rollout/engines_up": float(self._pool.engines_up()),
@@ -426,7 +431,7 @@ class RolloutManager:
     def _write_status(self) -> None:
         if not self._status_path:
             return
-        c = self._count
+        c = self.counters()
         write_status(self._status_path, RolloutStatus(
             version=self._pool.version, groups_written=c["groups_written"], groups_filtered=c["filtered_groups"],
             state_path=self._state_answered, error=self._error,
