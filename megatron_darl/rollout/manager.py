@@ -1,14 +1,14 @@
 """The rollout manager: one asyncio process per trainer node that keeps every engine busy.
 
-What it is: `RolloutManager`, which draws prompts (only while the staleness gate admits them),
-runs each through the workflow (its G samples go to the engines of an `EnginePool`), writes
-finished groups to the sink (the node's ring buffer), and on a new weight version has the pool
-pause the engines, load the weights and resume them. Partial rollouts survive the update: with
-`pause_mode=abort` an aborted request's tokens are kept with their versions and the continuation
-is resubmitted (`partial_rollout`), or dropped and the sample restarted. No prompt is lost or
-written twice: a drawn prompt is in flight (and in `state_dict()`), written, or filtered or
-dropped (both counted). The process entry (`python -m megatron_darl.rollout ...`) and the
-adapters to the real ring buffer and engines are in `manager_process.py`.
+What it is: `RolloutManager`, which admits groups while the staleness gate has room and runs them
+(`episodes.EpisodeRunner`: the workflow sends each group's G samples to the engines of an
+`EnginePool` and the finished group goes to the sink, the node's ring buffer), and on a new weight
+version has the pool pause the engines, load the weights and resume them. Partial rollouts
+survive the update: with `pause_mode=abort` an aborted request's tokens are kept with their
+versions and the continuation is resubmitted (`partial_rollout`), or dropped and the sample
+restarted. No prompt is lost or written twice: a drawn prompt is in flight (and in
+`state_dict()`), written, or filtered or dropped (both counted). It reads the learner's notice
+and writes its status through `notices.LearnerLink`; its process is `manager_process.py`.
 What it is not: the engines' dispatch, failures, health and weight loading (`engine_pool.py`), an
 engine client, a reward grader, the gate's formula or the ring buffer; it drives them through the
 small protocols of `api.py` (`workflow.RewardPoolScorer` adapts the reward pool).
@@ -24,11 +24,12 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable
 
-from megatron_darl.channel.json_files import write_json_atomic
-from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, weight_version_from_json, write_status
+from megatron_darl.channel.weight_notice import weight_version_from_json
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import AdmissionGate, PromptProvider, RolloutEngine, TrajectorySink
-from megatron_darl.rollout.engine_pool import POOL_COUNTERS, EnginePool, EngineRestarter, RequestRefused, Signal
+from megatron_darl.rollout.engine_pool import POOL_COUNTERS, EnginePool, EngineRestarter, Signal
+from megatron_darl.rollout.episodes import RUNNER_COUNTERS, EpisodeRunner
+from megatron_darl.rollout.notices import LearnerLink
 from megatron_darl.rollout.workflow import Episode, RolloutWorkflow, SampleState
 from megatron_darl.types import SamplingParams, WeightVersion
 
@@ -36,39 +37,22 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 
-# what the manager counts; with the pool's (POOL_COUNTERS) reported as `rollout/<name>` and saved
-# in the state as one set (a stable key set: zero until something happens)
-MANAGER_COUNTERS = (
-    "prompts_drawn", "groups_written", "samples_written", "filtered_groups", "groups_dropped",
-    "episode_retries", "reward_sum", "weight_updates", "weight_update_s_total",
-)
+# what the manager itself counts; reported with the runner's (RUNNER_COUNTERS) and the pool's
+# (POOL_COUNTERS) as `rollout/<name>` and saved in the state as one set (a stable key set)
+MANAGER_COUNTERS = ("weight_updates", "weight_update_s_total")
 
 
 class RolloutManager:
     """Drives engines, workflow, gate and sink. Lifecycle: (`load_state_dict`) -> `astart` ->
     ... -> `astop`; or `arun()` until the notice says stop, the prompts run out, or `astop()`."""
 
-    def __init__(
-        self,
-        config: RolloutConfig,
-        engines: list[RolloutEngine],
-        prompts: PromptProvider,
-        workflow: RolloutWorkflow,
-        sink: TrajectorySink,
-        gate: AdmissionGate | None = None,
-        *,
-        restarter: EngineRestarter | None = None,
-        notice_path: str | None = None,  # learner -> manager: WeightNotice JSON, polled
-        status_path: str | None = None,  # manager -> learner: RolloutStatus JSON
-        initial_version: int = 0,  # the version the engines start with
-        poll_interval_s: float = 0.2,
-        health_interval_s: float = 1.0,
-        restart_grace_s: float = 30.0,  # a restarted engine gets this long to turn healthy
-        max_inflight_groups: int | None = None,  # None: enough groups to fill every engine slot
-        max_episode_attempts: int = 3,  # scoring failures before a group is dropped (counted)
-        clock: Callable[[], float] = time.monotonic,
-        run_id: str | None = None,  # begins the weight groups' names, with a token of this start
-    ) -> None:
+    def __init__(self, config: RolloutConfig, engines: list[RolloutEngine], prompts: PromptProvider,
+                 workflow: RolloutWorkflow, sink: TrajectorySink, gate: AdmissionGate | None = None, *,
+                 restarter: EngineRestarter | None = None, notice_path: str | None = None,
+                 status_path: str | None = None, initial_version: int = 0, poll_interval_s: float = 0.2,
+                 health_interval_s: float = 1.0, restart_grace_s: float = 30.0,
+                 max_inflight_groups: int | None = None, max_episode_attempts: int = 3,
+                 clock: Callable[[], float] = time.monotonic, run_id: str | None = None) -> None:
         """A manager at `initial_version`, not started (see the lifecycle above).
 
         Args:
@@ -95,42 +79,35 @@ class RolloutManager:
         if not engines:
             raise ValueError("RolloutManager: no engines (rollout.engine_urls / rollout.num_engines)")
         if not config.partial_rollout and config.pause_mode != "abort":
-            raise ValueError(
-                f"rollout.partial_rollout=false needs rollout.pause_mode=abort (got {config.pause_mode!r}): "
-                "retract/in_place continue requests on the engine under the new weights"
-            )
-        self.config = config
-        self._prompts, self._workflow, self._sink, self._gate = prompts, workflow, sink, gate
-        self._notice_path, self._status_path = notice_path, status_path
-        self._awaiting_weights = False  # restored at a version no engine serves yet: wait for its publication
-        self._poll_s = poll_interval_s
-        slots = len(engines) * config.max_concurrent_per_engine
-        self._max_inflight = max_inflight_groups or max(1, math.ceil(slots / config.group_size))
-        self._max_attempts = max_episode_attempts
-        self._clock = clock
-        self._signal = Signal()
+            raise ValueError(f"rollout.partial_rollout=false needs rollout.pause_mode=abort (got {config.pause_mode!r}"
+                             "): retract/in_place continue requests on the engine under the new weights")
+        self.config, self._prompts, self._gate = config, prompts, gate
+        self._clock, self._signal = clock, Signal()
         self._count: collections.Counter[str] = collections.Counter({k: 0 for k in MANAGER_COUNTERS})
         self._pool = EnginePool(config, engines, signal=self._signal, restarter=restarter,
                                 notice_path=notice_path, initial_version=initial_version, run_id=run_id, clock=clock,
                                 health_interval_s=health_interval_s, restart_grace_s=restart_grace_s)
-        self._active: dict[int, Episode] = {}  # admitted, running
-        self._tasks: dict[int, asyncio.Task] = {}
-        self._writing: set[int] = set()  # groups inside sink.aput_group: never cancelled
-        self._resume: collections.deque[Episode] = collections.deque()  # re-run first
+        slots = len(engines) * config.max_concurrent_per_engine
+        self._runner = EpisodeRunner(prompts, workflow, sink, gate, pool=self._pool, signal=self._signal, client=self,
+                                     max_inflight=max_inflight_groups or max(1, math.ceil(slots / config.group_size)),
+                                     max_attempts=max_episode_attempts, fail=self._fail)
+        self._link = LearnerLink(self, notice_path, status_path, poll_interval_s, clock, reporters=(gate, prompts))
+        self._awaiting_weights = False  # restored at a version no engine serves yet: wait for its publication
         self._background: list[asyncio.Task] = []
-        self._stopping = self._stop_requested = self._exhausted = False
-        self._started = False
+        self._stop_requested = self._started = False
         self._fatal: BaseException | None = None
         self._error: str | None = None  # the fatal error as the learner reads it in the status
-        self._state_answered: str | None = None
         self._weight_update_s = 0.0
         self._window = (clock(), 0.0, 0, 0, 0.0, 0)  # t, busy, samples, tokens, reward_sum, groups
-
-    # ---- public API -------------------------------------------------------------------
 
     @property
     def version(self) -> int:
         return self._pool.version
+
+    @property
+    def inflight_groups(self) -> int:
+        """Groups admitted and running."""
+        return len(self._runner.active)
 
     @property
     def pool(self) -> EnginePool:
@@ -148,10 +125,14 @@ class RolloutManager:
         if self._awaiting_weights:
             log.info("restored at weight version %d: requests start once the learner publishes it",
                      self._pool.version)
-        loops = [("admission", self._aadmit_forever), ("health checks", self._pool.ahealth_loop)]
-        if self._notice_path:
-            loops.append(("notice polling", self._anotice_loop))
+        loops = [("admission", self._runner.aadmit_forever), ("health checks", self._pool.ahealth_loop)]
+        if self._link.notice_path:
+            loops.append(("notice polling", self._link.aloop))
         self._background = [asyncio.create_task(self._aguard(name, loop)) for name, loop in loops]
+
+    async def agenerate_sample(self, sample: SampleState, sampling: SamplingParams) -> None:
+        """The workflow's `SampleClient`: run one sample to its end (`EnginePool.agenerate_sample`)."""
+        await self._pool.agenerate_sample(sample, sampling)
 
     async def arun(self) -> None:
         """Run until a stop notice, `request_stop()`, a fatal error, or no prompts left (noticed
@@ -159,8 +140,7 @@ class RolloutManager:
         `astop` to end a bounded run)."""
         await self.astart()
         try:
-            await self._signal.wait_for(lambda: self._stop_requested or self._fatal is not None or (
-                self._exhausted and not self._active and not self._resume))
+            await self._signal.wait_for(lambda: self._stop_requested or self._fatal is not None or self._runner.done())
         finally:
             await self.astop()
         if self._fatal is not None:
@@ -177,25 +157,22 @@ class RolloutManager:
 
     async def await_groups(self, n: int) -> None:
         """Wait until `n` groups are finished (written, filtered or dropped) in total."""
-        await self._signal.wait_for(lambda: self._finished() >= n or self._fatal is not None)
+        await self._signal.wait_for(lambda: self._runner.finished() >= n or self._fatal is not None)
         if self._fatal is not None:
             raise self._fatal
 
     async def astop(self, drain: bool = False) -> None:
         """Stop admitting; with `drain`, let admitted groups finish first; then cancel the rest
         (they stay in `state_dict()`), leaving groups being written to finish their write."""
-        self._stopping = True
+        self._runner.stopping = True
         self._signal.notify()
         if drain:
-            await self._signal.wait_for(lambda: not self._active or self._fatal is not None)
+            await self._signal.wait_for(lambda: not self._runner.active or self._fatal is not None)
         for task in self._background:
             task.cancel()
-        for uid, task in list(self._tasks.items()):
-            if uid not in self._writing:
-                task.cancel()
-        await asyncio.gather(*self._background, *self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self._background, *self._runner.cancel(), return_exceptions=True)
         self._background = []
-        self._write_status()
+        self._link.write_status()
 
     async def aupdate_weights(self, weights: WeightVersion, consumed: int | None = None,
                               new_groups: int | None = None) -> None:
@@ -221,14 +198,14 @@ class RolloutManager:
             self._weight_update_s = self._clock() - t0
             self._count["weight_updates"] += 1
             self._count["weight_update_s_total"] += self._weight_update_s
-        self._write_status()
+        self._link.write_status()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs: loader position, prompts in flight with partial responses.
-        Take it when no group is being written (after `astop`, or as the notice loop does):
-        then the first `counters["groups_written"]` groups in the ring and the state's episodes
-        partition every prompt drawn."""
-        episodes = [*self._active.values(), *self._resume]
+        Take it when no group is being written (after `astop`, or `aclean_state`): then the first
+        `counters["groups_written"]` groups in the ring and the state's episodes partition every
+        prompt drawn."""
+        episodes = [*self._runner.active.values(), *self._runner.resume]
         return {
             "format": STATE_FORMAT,
             "version": self._pool.version,
@@ -238,6 +215,12 @@ class RolloutManager:
             "counters": self.counters(),
             "gate": self._gate.state_dict() if hasattr(self._gate, "state_dict") else None,
         }
+
+    async def aclean_state(self) -> dict[str, Any]:
+        """`state_dict()` at a clean cut: once no group is being written, every group is either
+        whole in the ring or in the state (what the learner's checkpoint request gets)."""
+        await self._signal.wait_for(lambda: not self._runner.writing)
+        return self.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before `astart()`: in-flight prompts are re-run first, partial tokens kept.
@@ -249,7 +232,7 @@ class RolloutManager:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"rollout state format {state.get('format')!r}; this version reads {STATE_FORMAT}")
         self._prompts.load_state_dict(state["loader"])
-        self._resume = collections.deque(Episode.from_json(e) for e in state["episodes"])
+        self._runner.resume = collections.deque(Episode.from_json(e) for e in state["episodes"])
         self._pool.version = int(state["version"])
         w = state.get("weights")
         if w:
@@ -257,17 +240,18 @@ class RolloutManager:
         self._pool.weights = None
         self._awaiting_weights = self._pool.version != self._pool.initial_version
         saved = state.get("counters", {})
-        self._count = collections.Counter({k: 0 for k in MANAGER_COUNTERS},
-                                          **{k: v for k, v in saved.items() if k not in POOL_COUNTERS})
         self._pool.load_counts(saved)
+        self._runner.load_counts(saved)
+        mine = {k: v for k, v in saved.items() if k not in POOL_COUNTERS + RUNNER_COUNTERS}  # unknown names too
+        self._count = collections.Counter({k: 0 for k in MANAGER_COUNTERS}, **mine)
         if self._gate is not None:
             if state.get("gate") is not None and hasattr(self._gate, "load_state_dict"):
                 self._gate.load_state_dict(state["gate"])
             self._gate.on_version(self._pool.version)
 
     def counters(self) -> dict[str, float]:
-        """The manager's counters and its pool's, by name (what `rollout/<name>` reports)."""
-        return dict(sorted({**self._count, **self._pool.counts}.items()))
+        """The manager's counters, its runner's and its pool's, by name (`rollout/<name>`)."""
+        return dict(sorted({**self._count, **self._runner.counts, **self._pool.counts}.items()))
 
     def metrics(self) -> dict[str, float]:
         """Counters since the start (`rollout/...`) and rates since the last call (`perf/...`)."""
@@ -279,7 +263,7 @@ class RolloutManager:
         out.update({
             "rollout/version": float(self._pool.version),
             "rollout/engines_up": float(self._pool.engines_up()),
-            "rollout/inflight_groups": float(len(self._active)),
+            "rollout/inflight_groups": float(self.inflight_groups),
             "rollout/inflight_requests": float(self._pool.inflight_requests()),
             "rollout/reward_mean": (c["reward_sum"] - reward0) / max(c["samples_written"] - samples0, 1),
             "perf/samples_per_s": (c["samples_written"] - samples0) / dt,
@@ -291,25 +275,7 @@ class RolloutManager:
         self._window = (now, busy, c["samples_written"], c["tokens_generated"], c["reward_sum"], c["groups_written"])
         return out
 
-    # ---- SampleClient: what the workflow calls -----------------------------------------
-
-    async def agenerate_sample(self, sample: SampleState, sampling: SamplingParams) -> None:
-        """Run one sample to its end over the engines (`EnginePool.agenerate_sample`)."""
-        await self._pool.agenerate_sample(sample, sampling)
-
-    # ---- admission and episodes ----------------------------------------------------------
-
-    def _finished(self) -> int:
-        c = self._count
-        return c["groups_written"] + c["filtered_groups"] + c["groups_dropped"]
-
-    def _may_admit(self) -> bool:
-        if self._stopping or self._pool.paused or len(self._active) >= self._max_inflight:
-            return False
-        if self._exhausted and not self._resume:
-            return False
-        # re-runs (checkpointed, failed scoring) go first, but through the gate like any group
-        return self._gate is None or self._gate.capacity() > 0
+    # ---- background loops and failure ---------------------------------------------------
 
     async def _aguard(self, what: str, loop: Callable[[], Any]) -> None:
         """Run a background loop; if it fails, the manager stops with that error, logged with its
@@ -328,118 +294,6 @@ class RolloutManager:
             self._fatal, self._error = exc, message
         self._signal.notify()
         try:
-            self._write_status()
+            self._link.write_status()
         except Exception as status_exc:  # the status folder is broken too: the log still says it
             log.error("could not write the rollout status with the error: %r", status_exc)
-
-    async def _aadmit_forever(self) -> None:
-        while True:
-            await self._signal.wait_for(self._may_admit)
-            if self._resume:
-                episode = self._resume.popleft()
-            else:
-                drawn = self._prompts.next_batch(1)
-                if not drawn:
-                    self._exhausted = True  # re-runs of failed groups are still admitted
-                    self._signal.notify()
-                    continue
-                episode = self._workflow.new_episode(drawn[0])
-                self._count["prompts_drawn"] += 1
-            if episode.uid in self._active:
-                raise ValueError(f"prompt uid {episode.uid} drawn twice while in flight")
-            if self._gate is not None and not self._gate.try_acquire():
-                raise RuntimeError("admission gate refused a group right after reporting capacity")
-            self._active[episode.uid] = episode
-            self._tasks[episode.uid] = asyncio.create_task(self._adrive(episode))
-
-    def _retire(self, episode: Episode, accepted: bool) -> None:
-        self._active.pop(episode.uid, None)
-        self._tasks.pop(episode.uid, None)
-        if self._gate is not None:
-            self._gate.release(accepted)
-        self._signal.notify()
-
-    async def _adrive(self, episode: Episode) -> None:
-        try:
-            trajs = await self._workflow.arun_episode(self, episode)
-        except asyncio.CancelledError:
-            raise  # stays in _active, hence in state_dict()
-        except RequestRefused as exc:  # every engine would refuse it: no re-run
-            self._retire(episode, accepted=False)
-            log.error("prompt %d dropped: %s", episode.uid, exc)
-            self._count["groups_dropped"] += 1
-            return
-        except Exception as exc:
-            episode.attempts += 1
-            self._retire(episode, accepted=False)
-            if episode.attempts < self._max_attempts:
-                log.warning("prompt %d failed (%r); re-running (attempt %d)", episode.uid, exc, episode.attempts)
-                self._resume.append(episode)
-                self._count["episode_retries"] += 1
-            else:
-                log.error("prompt %d dropped after %d failures: %r", episode.uid, episode.attempts, exc)
-                self._count["groups_dropped"] += 1
-            return
-        if trajs is None:
-            self._count["filtered_groups"] += 1
-            self._retire(episode, accepted=False)
-            return
-        self._writing.add(episode.uid)
-        try:
-            await self._sink.aput_group(trajs)
-        except Exception as exc:  # the ring is gone or broken: nothing sensible to continue with
-            self._fail(f"writing prompt {episode.uid} to the ring failed: {exc!r}", exc)
-            return
-        finally:
-            self._writing.discard(episode.uid)
-        self._count["groups_written"] += 1
-        self._count["samples_written"] += len(trajs)
-        self._count["reward_sum"] += sum(t.reward for t in trajs)
-        self._retire(episode, accepted=True)
-
-    # ---- learner notices -----------------------------------------------------------------
-
-    async def _anotice_loop(self) -> None:
-        assert self._notice_path is not None
-        poller = NoticePoller(self._notice_path)
-        last_status = -math.inf
-        while True:
-            try:
-                notice = poller.poll()
-            except ValueError as exc:  # someone else wrote the file: say so, keep polling
-                log.error("%s", exc)
-                notice = None
-            if notice is not None:
-                if notice.weights is not None:
-                    await self.aupdate_weights(notice.weights, consumed=notice.consumed, new_groups=notice.new_groups)
-                if notice.state_request and notice.state_request != self._state_answered:
-                    # a clean cut: every group is then either whole in the ring or in the state
-                    await self._signal.wait_for(lambda: not self._writing)
-                    try:
-                        write_json_atomic(notice.state_request, self.state_dict())
-                    except OSError as exc:
-                        raise OSError(f"cannot write the rollout state to {notice.state_request}: {exc}") from exc
-                    self._state_answered = notice.state_request
-                    self._write_status()
-                if notice.stop:
-                    self.request_stop()
-            if self._clock() - last_status >= 1.0:  # counters for the learner's logs, once a second
-                self._write_status()
-                last_status = self._clock()
-            await asyncio.sleep(self._poll_s)
-
-    def _write_status(self) -> None:
-        if not self._status_path:
-            return
-        c = self.counters()
-        write_status(self._status_path, RolloutStatus(
-            version=self._pool.version, groups_written=c["groups_written"], groups_filtered=c["filtered_groups"],
-            state_path=self._state_answered, error=self._error,
-            metrics={**{f"rollout/{k}": float(v) for k, v in c.items()},
-                     "rollout/engine_busy_s": self._pool.busy_s(),  # engine-seconds with requests in flight
-                     # what a learner waiting for data names (trainer/publication.py, rollout_report)
-                     "rollout/engines_up": float(self._pool.engines_up()),
-                     "rollout/inflight_groups": float(len(self._active)),
-                     **(self._gate.metrics() if hasattr(self._gate, "metrics") else {}),
-                     **getattr(self._prompts, "metrics", dict)()},  # data rows dropped (rollout/prompts_rejected)
-        ))

@@ -489,7 +489,7 @@ def test_a_refused_request_drops_its_group_and_keeps_the_engine(caplog):
         await asyncio.wait_for(mgr.arun(), 30)
         return mgr.metrics()
 
-    with caplog.at_level("ERROR", logger="megatron_darl.rollout.manager"):
+    with caplog.at_level("ERROR", logger="megatron_darl.rollout.episodes"):
         m = asyncio.run(main())
     assert sorted(sink.uids) == [p.uid for p in prompts.items if p.uid != 105]
     check_groups(sink, cfg)
