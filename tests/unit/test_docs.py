@@ -1,16 +1,18 @@
 """The user-facing docs hold together: the README stays short, its commands are CI's, and its links land.
 
 What it is: checks over README.md and the docs it sends newcomers to first (development, clusters,
-design, ARCHITECTURE), read as text:
+design, ARCHITECTURE, CHANGELOG), read as text:
 - the README has at most `README_MAX_LINES` lines (it is for users; detail goes to docs/);
+- the README's first command is the demo command `scripts/fresh_clone_demo.sh` times, and the prose
+  just before it gives a CPU-only machine its torch command (PyPI's default torch is the CUDA build);
 - every relative markdown link, and every backticked path (or path word in a code block) that
   starts at a folder of the repository, resolves to a file or folder that exists inside the repo;
-- the README holds, as one line, the test command `.ci/run` runs (the line after its comment
-  "The README's test command, verbatim:");
+- the README holds, as one line and only once, the test command `.ci/run` runs (the line after its
+  comment "The README's test command, verbatim:");
 - every `#anchor` of those links names a heading of its target (GitHub's slugs).
 The checker's own functions are tried on small broken inputs too, so that a pattern that stopped
 matching cannot pass silently.
-What it is not: a check of external (http) links, of prose, or of docs beyond those five files.
+What it is not: a check of external (http) links, of prose, or of docs beyond those six files.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-DOCS = [README, *(ROOT / "docs" / f for f in ("development.md", "clusters.md", "design.md", "ARCHITECTURE.md"))]
-README_MAX_LINES = 320
+DOCS = [README, *(ROOT / "docs" / f for f in ("development.md", "clusters.md", "design.md", "ARCHITECTURE.md")),
+        ROOT / "CHANGELOG.md"]
+README_MAX_LINES = 260
 CI_MARKER = "The README's test command, verbatim:"
+DEMO_COMMAND = "pip install -e . && darl-train --config configs/cpu_demo_darl.yaml"
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
 # a path word counts when it starts at one of these repository folders ...
 REPO_FOLDERS = {"docs", "configs", "scripts", "tests", "slurm", "bench", "megatron_darl", "checkpoint_tools",
@@ -70,6 +75,22 @@ def repo_paths(text: str) -> list[str]:
     prose, code = _split_fenced(text)
     words = [w for span in CODE_SPAN.findall(prose) for w in _path_words(span)]
     return words + _path_words(code)
+
+
+def first_command(text: str) -> tuple[str, str]:
+    """(the prose paragraph just before the first ``` fence, the fence's first line), or ("", "")."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            before: list[str] = []
+            for prev in reversed(lines[:i]):
+                if not prev.strip():
+                    if before:
+                        break
+                    continue
+                before.insert(0, prev)
+            return " ".join(before), lines[i + 1].strip() if i + 1 < len(lines) else ""
+    return "", ""
 
 
 def relative_links(text: str) -> list[str]:
@@ -139,7 +160,15 @@ def test_readme_holds_the_test_command_ci_runs():
     assert len(marks) == 1, f".ci/run should have one comment {CI_MARKER!r}"
     command = ci[marks[0] + 1].strip()
     assert command.startswith("pip install"), f".ci/run: the line after the marker is {command!r}"
-    assert command in [line.strip() for line in README.read_text().splitlines()]
+    assert [line.strip() for line in README.read_text().splitlines()].count(command) == 1, (
+        f"README.md should hold {command!r} as a line exactly once")
+
+
+def test_the_first_command_is_the_demo_and_a_cpu_machine_is_told_first():
+    assert DEMO_COMMAND in (ROOT / "scripts" / "fresh_clone_demo.sh").read_text()
+    prose, command = first_command(README.read_text())
+    assert command == DEMO_COMMAND, f"README.md's first command is {command!r}"
+    assert "CUDA" in prose and f"`{CPU_TORCH}`" in prose, f"before the first command: {prose!r}"
 
 
 def test_the_checker_finds_what_is_broken(tmp_path, monkeypatch):
@@ -157,3 +186,6 @@ def test_the_checker_finds_what_is_broken(tmp_path, monkeypatch):
     outside.parent.mkdir()
     outside.write_text("[up](../../elsewhere.md)\n")
     assert broken_links(outside) == ["../../elsewhere.md: outside the repository"]
+    two_fences = "# T\n\nfirst\nsecond\n\n```bash\nrun me\n```\n```\nlater\n```\n"
+    assert first_command(two_fences) == ("first second", "run me")
+    assert first_command("no fence at all\n") == ("", "")
