@@ -32,15 +32,16 @@ def _keyword_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
 
 
 def _args_section(doc: str) -> set[str]:
-    """Names listed as `name: ...` (or `name (type): ...`) in the docstring's `Args:` section."""
+    """Names listed as `name: ...` (or `name (type): ...`, or `a, b: ...` for names that share one
+    description) in the docstring's `Args:` section."""
     names, inside = set(), False
     for line in doc.splitlines():
         if line.strip() == "Args:":
             inside = True
         elif inside and line.strip() and not line.startswith((" ", "\t")):
             break
-        elif inside and (m := re.match(r"\s+(\*{0,2}\w+)(?: \([^)]*\))?:", line)):
-            names.add(m.group(1).lstrip("*"))
+        elif inside and (m := re.match(r"\s+(\*{0,2}\w+(?:, \*{0,2}\w+)*)(?: \([^)]*\))?:", line)):
+            names.update(n.lstrip("*") for n in m.group(1).split(", "))  # `a, b: shared text` lists both
     return names
 
 
@@ -67,6 +68,8 @@ def test_the_args_reader_finds_what_a_docstring_lists():
     doc = "Score it.\n\nArgs:\n    level: token or sequence.\n    eps (float): floor.\n\nReturns:\n    x: no."
     assert _args_section(doc) == {"level", "eps"}
     assert _args_section("No section.\n    level: here.") == set()
+    grouped = "Run it.\n\nArgs:\n    is_level, is_mode: the options.\n    x: one.\n    a sentence, with: a colon."
+    assert _args_section(grouped) == {"is_level", "is_mode", "x"}
 
 
 def _comments_and_strings(path: Path) -> list[tuple[int, str]]:
