@@ -226,7 +226,8 @@ def _bench_json(output: str) -> dict:
 
 def learner_part(args: argparse.Namespace, timeout_s: float, work: Path) -> dict:
     """All shapes and the fit search in one bench run; after an out-of-memory stop, each shape
-    alone, from its own rows down (`fit_down`), in what is left of the part's time."""
+    alone, from its own rows down (`fit_down`), in what is left of the part's time, without
+    the fit search (whose rows the shapes' own then bound)."""
     deadline = time.monotonic() + timeout_s
     runs: list[dict] = []
 
