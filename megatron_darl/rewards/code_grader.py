@@ -29,7 +29,9 @@ the program holds no test, no expected value, no secret, and the benchmark data 
 the 164 canonical solutions score 1 and the empty bodies 0 (tests/faults/test_sandbox.py); a
 value that is not builtin data fails the call (tests/unit/rewards/test_sandbox_calls.py).
 What it is not: the sandbox, nor a judge of a test's own quality: a test that accepts a wrong
-value (HumanEval/33 compares the candidate partly with itself) still accepts it.
+value (HumanEval/33 compares the candidate partly with itself) still accepts it; nor a sandbox for
+the test: a HumanEval-format prompt and test are trusted code, run here with this process's
+rights (docs/reliability.md says what that bounds and what it does not).
 """
 
 from __future__ import annotations
@@ -123,10 +125,23 @@ def humaneval_checker(problem: dict[str, Any]) -> dict[str, Any]:
     """The trusted side of a HumanEval problem: its prompt (helpers such as `encode_cyclic`) and
     its test (`check`), run here, never in the sandbox."""
     space: dict[str, Any] = {"__name__": "humaneval_test"}
-    exec(compile(problem["prompt"] + "\n\n" + problem["test"], "test.py", "exec"), space)  # benchmark data
+    exec(compile(_complete(problem["prompt"]) + "\n\n" + problem["test"], "test.py", "exec"), space)  # benchmark data
     if not callable(space.get("check")):
         raise ValueError("grade_code: the humaneval test defines no check()")
     return space
+
+
+def _complete(prompt: str) -> str:
+    """The prompt as code that compiles: a prompt that is a bare signature (`def f():` and
+    nothing else, no docstring) gets a body; the candidate's stands in for it anyway."""
+    try:
+        compile(prompt, "prompt.py", "exec")
+        return prompt
+    except SyntaxError:
+        pass
+    indent = re.search(r"^([ \t]*)def\s[^\n]*$(?![\s\S]*^[ \t]*def\s)", prompt, re.MULTILINE)
+    body = (indent.group(1) if indent else "") + "    pass\n"
+    return prompt.rstrip() + "\n" + body
 
 
 def _grade_humaneval(

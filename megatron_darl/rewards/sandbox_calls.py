@@ -10,6 +10,9 @@ parsed JSON: nothing the program defines (a class with an `__eq__` that always a
 subclass of int or str, a generator) can cross, only a value. The tests that call it (HumanEval's
 `check`, LiveCodeBench's expected outputs) stay here, out of the program's reach; the program
 holds no test, no expected value and no secret. One program serves every call of a grading.
+What the program sends back costs this side at most the wall limit: requests are written without
+blocking past it (`_send`), a reply is capped at MAX_CAPTURE bytes, and `decode` refuses a set or
+dict whose elements share one hash more than MAX_SAME_HASH times (a hash flood) before building it.
 What it is not: the sandbox (sandbox.py) nor the grader (code_grader.py).
 """
 
@@ -36,6 +39,10 @@ from megatron_darl.rewards.sandbox import (
 )
 
 EXIT_GRACE_S = 1.0  # after the last call, how long the program gets to exit by itself
+# elements of one decoded set (or keys of one dict) allowed to share a hash: CPython's ints,
+# floats and tuples hash alike on purpose-built values, and a set of n of them costs n^2/2 probes
+# to build (40,000 in a 1 MB reply: 7 s here); an honest value has next to none
+MAX_SAME_HASH = 32
 _TAGS = ("tuple", "dict", "set", "frozenset", "bytes", "complex")
 
 # The program the sandbox runs: the candidate's code, then a loop that serves calls. Its channel
@@ -94,6 +101,15 @@ _serve()
 '''
 
 
+def printable(text: str) -> str:
+    """`text` safe to log and to encode: lone surrogates and control characters escaped."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 class CandidateError(Exception):
     """The sandboxed function raised, returned something that is not a builtin value, or its
     program ended or ran out of time; `result` is how the program ended, when it did."""
@@ -149,9 +165,27 @@ def decode(data: Any) -> Any:
     if tag == "dict":
         if not all(type(pair) is list and len(pair) == 2 for pair in inner):
             raise ValueError("decode: dict must be a list of [key, value] pairs")
-        return {decode(k): decode(v) for k, v in inner}
+        pairs = [(decode(k), decode(v)) for k, v in inner]
+        _refuse_hash_flood(k for k, _ in pairs)
+        return dict(pairs)
     items = [decode(x) for x in inner]
+    if tag != "tuple":
+        _refuse_hash_flood(items)
     return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
+
+
+def _refuse_hash_flood(keys) -> None:
+    """ValueError where more than MAX_SAME_HASH of the keys share one hash: building the set or
+    dict would cost time quadratic in their number (a hash flood); counting costs linear time."""
+    counts: dict[int, int] = {}
+    for key in keys:
+        try:
+            h = hash(key)
+        except TypeError:
+            continue  # unhashable: building the set raises TypeError, a failed call
+        counts[h] = counts.get(h, 0) + 1
+        if counts[h] > MAX_SAME_HASH:
+            raise ValueError(f"decode: more than {MAX_SAME_HASH} elements share one hash (a hash flood)")
 
 
 def server_program(source: str, name: str, class_first: bool = False) -> str:
@@ -182,6 +216,7 @@ class SandboxedFunction:
         self._deadline = self._start + self.limits.wall_s
         try:
             self._proc = start_launcher(paths, subprocess.PIPE, subprocess.PIPE)
+            os.set_blocking(self._proc.stdin.fileno(), False)  # writes wait in `_send`, under the deadline
         except BaseException:
             self._run.__exit__(None, None, None)
             raise
@@ -191,21 +226,32 @@ class SandboxedFunction:
         if self.result is not None:
             raise CandidateError(f"the program had ended: {self.result.status}", self.result)
         self.calls += 1
-        request = (json.dumps(encode(list(args))) + "\n").encode()
-        try:
-            self._proc.stdin.write(request)
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._ended("the program exited before the call")
+        self._send((json.dumps(encode(list(args))) + "\n").encode())
         reply = self._reply()
         if type(reply) is not dict or len(reply) != 1 or not ({"value", "error"} & set(reply)):
             raise CandidateError("the program answered something other than a value or an error")
         if "error" in reply:
-            raise CandidateError(f"the function raised {str(reply['error'])[:300]}")
+            raise CandidateError(f"the function raised {printable(str(reply['error'])[:300])}")
         try:
             return decode(reply["value"])
         except (ValueError, TypeError, RecursionError) as e:
             raise CandidateError(f"the function returned no builtin value: {e}") from None
+
+    def _send(self, request: bytes) -> None:
+        """Write the request without blocking past the wall limit: a program that stops reading,
+        shrinks its stdin pipe or fills it itself (/proc/self/fd/0) holds us until then, no more."""
+        fd = self._proc.stdin.fileno()
+        view = memoryview(request)
+        while view:
+            left = self._deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                self._ended("timeout", timed_out=True)
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                continue
+            except OSError:  # EPIPE: it exited
+                self._ended("the program exited before the call")
 
     def _reply(self) -> Any:
         """The next line the program wrote on its channel, parsed; CandidateError past the wall

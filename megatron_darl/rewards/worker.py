@@ -83,12 +83,17 @@ class Grader:
 
 def handle(grader: Grader, request: dict[str, Any]) -> dict[str, Any]:
     """The reply to one request; grader exceptions become status "error" with score 0."""
+    from megatron_darl.rewards.sandbox_calls import printable
+
     reply: dict[str, Any] = {"id": request.get("id")}
     try:
         score, detail = grader.grade(RewardInput(**request["item"]))
         reply.update(score=score, status="ok", detail=detail)
     except Exception as e:  # any grader failure costs this item only
         reply.update(score=0.0, status="error", detail=f"{type(e).__name__}: {e}"[:500])
+    # a detail may quote what a candidate wrote (an error, a value): lone surrogates and control
+    # characters escaped, so that every log and JSON encoder downstream takes it
+    reply["detail"] = printable(str(reply["detail"]))
     return reply
 
 

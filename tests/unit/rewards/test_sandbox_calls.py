@@ -56,6 +56,17 @@ def test_decode_refuses_what_is_not_an_encoded_value(data):
         decode(data)
 
 
+def test_decode_refuses_a_hash_flood_before_building_it():
+    same = [i * (2**61 - 1) for i in range(1, 34)]  # 33 integers, one hash (the naive reference: hash())
+    assert len({hash(x) for x in same}) == 1
+    assert decode({"set": same[:32]}) == set(same[:32])  # 32 share a hash: still a value
+    for data in ({"set": same}, {"frozenset": same}, {"dict": [[x, 0] for x in same]}):
+        with pytest.raises(ValueError, match="share one hash"):
+            decode(data)
+    assert decode({"set": list(range(10000))}) == set(range(10000))
+    assert decode({"tuple": same}) == tuple(same)  # a tuple hashes nothing
+
+
 def test_encode_refuses_objects_and_subclasses():
     for value in (type("I", (int,), {})(3), object(), [type("S", (str,), {})("x")], iter(())):
         with pytest.raises(TypeError):

@@ -30,7 +30,7 @@ from tests.helpers.sandbox import ROOT
 USERNS_TESTS = ["tests/unit/rewards/test_sandbox.py", "tests/faults/test_sandbox.py",
                 "tests/unit/rewards/test_sandbox_isolation.py", "tests/unit/rewards/test_sandbox_calls.py",
                 "tests/unit/rewards/test_reward_hacks.py", "tests/unit/rewards/test_exact_answers.py",
-                "tests/unit/rewards/test_sandbox_quotas.py",
+                "tests/unit/rewards/test_sandbox_quotas.py", "tests/unit/rewards/test_relay_bounds.py",
                 "tests/unit/rewards/test_pool.py::test_hung_program_killed_with_its_worker"]
 TEST_UID = 1_900_000_000 + os.getpid() % 1_000_000  # a uid of its own, no name, no files
 
