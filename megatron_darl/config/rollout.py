@@ -24,6 +24,10 @@ class RolloutConfig:
     api_key: str | None = None  # sent as Bearer token; the embedded engine requires it when set
     group_size: int = 8  # G: responses sampled per prompt (a group is never split)
     temperature: float = 1.0
+    # training samples from the full tempered distribution: top_p must be 1 and top_k -1. The
+    # behavior log-prob (darl-engine and SGLang 0.5.23 alike) and the learner's ratios are taken
+    # over the full vocabulary, so truncated sampling would bias every ratio (docs/ALGORITHM.md,
+    # "Truncated sampling"); `check` refuses it. Evaluation has its own sampling (`eval.*`).
     top_p: float = 1.0
     top_k: int = -1
     # response budget of every prompt; a prompt plus it must fit the model's context
@@ -70,6 +74,24 @@ class RolloutConfig:
             return self.weight_sync
         return "shm" if self.backend == "torch" and not engines_on_rollout_nodes else "disk"
 
+    def _truncation_errors(self) -> list[tuple[str, str]]:
+        """Training rollouts may not truncate the sampling distribution: the engines return
+        log softmax(logits / T) of the FULL vocabulary as the behavior log-prob and the learner
+        recomputes the same, while a token drawn under top-p / top-k has probability
+        pi(y) / Z (Z: the kept mass), so every ratio would be off by Z and tokens outside the
+        kept set would be weighted as if they could be drawn (docs/ALGORITHM.md)."""
+        why = ("training samples from the full distribution: the behavior log-prob and the learner's ratios "
+               "are taken over the full vocabulary, so truncated sampling would bias every ratio "
+               "(docs/ALGORITHM.md, Truncated sampling); evaluation sets its own sampling (eval.*)")
+        errs = []
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            errs.append(("top_p", f"must be 1 (no truncation), got {self.top_p}"))
+        elif self.top_p < 1:
+            errs.append(("top_p", f"{self.top_p} truncates the sampling distribution; must be 1: {why}"))
+        if self.top_k != -1:
+            errs.append(("top_k", f"{self.top_k} truncates the sampling distribution; must be -1 (none): {why}"))
+        return errs
+
     def check(self) -> list[tuple[str, str]]:
         errs: list[tuple[str, str]] = []
         if self.group_size < 1:
@@ -78,10 +100,7 @@ class RolloutConfig:
             errs.append(("max_new_tokens", "must be >= 1"))
         if not math.isfinite(self.temperature) or self.temperature <= 0:
             errs.append(("temperature", "must be finite and > 0 (behavior log-probs are taken under it)"))
-        if not 0 < self.top_p <= 1:  # NaN fails this too
-            errs.append(("top_p", "must be in (0, 1]"))
-        if self.top_k != -1 and self.top_k < 1:
-            errs.append(("top_k", "must be -1 (no truncation) or >= 1"))
+        errs += self._truncation_errors()
         if self.max_concurrent_per_engine < 1:
             errs.append(("max_concurrent_per_engine", "must be >= 1"))
         if not self.partial_rollout and self.pause_mode != "abort":

@@ -5,6 +5,13 @@ generator) and `SAMPLING_EPS`, the temperature below which sampling is greedy, a
 decides it (its `sglang/srt/sampling/sampling_params.py`: `_SAMPLING_EPS = 1e-6`, and
 `0 <= temperature < _SAMPLING_EPS` becomes `temperature = 1.0, top_k = 1`); dividing float32
 logits by a smaller temperature overflows and gives NaN log-probs.
+The returned log-prob follows SGLang 0.5.23's convention (its `srt/layers/sampler.py`, read from
+the wheel): log_softmax(logits / T) of the FULL vocabulary at the sampled token, before top-p /
+top-k truncation (sampler.py:275 divides by T, :294-299 takes the softmax into `probs`, which
+`_sample_from_probs` truncates only in copies, and :308-315 returns `log(probs)`); untempered
+when greedy (:208-223); `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (:82, :231-237, :322-323) would
+make SGLang return untempered ones, which the learner does not compute. Training therefore
+refuses truncation (`config/rollout.py`); the engine still serves it (evaluation, other clients).
 What it is not: the forward pass or the batch (`decoder.py`), or request validation
 (`requests.py`, which maps such temperatures to 0 at the door).
 """
