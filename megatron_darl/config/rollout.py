@@ -21,6 +21,11 @@ class RolloutConfig:
     engine_urls: list[str] = field(default_factory=list)  # sglang: servers to use (empty: launcher starts them)
     num_engines: int = 1  # engines the launcher starts (embedded: processes on this node)
     engine_threads: int = 1  # torch threads per embedded engine (1 beats 2 where engines share few cores)
+    # embedded engines (backend torch), on CPU and GPU: dtype of their weights, activations and KV
+    # cache (float32 | bfloat16 | float16; logits and log-probs stay fp32). The learner keeps its
+    # own, so anything but float32 makes behavior log-probs differ from the learner's on purpose
+    # (logged as algo/mismatch_*). SGLang servers choose theirs: --dtype in launch.engine_args
+    engine_dtype: str = "float32"
     api_key: str | None = None  # sent as Bearer token; the embedded engine requires it when set
     group_size: int = 8  # G: responses sampled per prompt (a group is never split)
     temperature: float = 1.0
@@ -49,6 +54,7 @@ class RolloutConfig:
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "backend": ("torch", "sglang"),
+        "engine_dtype": ("float32", "bfloat16", "float16"),
         "pause_mode": PAUSE_MODES,
         "weight_sync": ("auto", "shm", "disk", "distributed"),
     }
@@ -108,6 +114,9 @@ class RolloutConfig:
                          "retract/in_place keep requests on the engine, which continue them"))
         if not self.weight_sync_timeout_s > 0:
             errs.append(("weight_sync_timeout_s", "must be > 0 (every collective of a weight group is bounded)"))
+        if self.backend == "sglang" and self.engine_dtype != "float32":
+            errs.append(("engine_dtype", f"{self.engine_dtype} sets darl-engine's dtype (backend torch); SGLang "
+                         "servers take theirs from --dtype in launch.engine_args"))
         if self.num_engines < 1 and not self.engine_urls:
             errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
         return errs

@@ -54,6 +54,7 @@ class EngineSpec:
     python: str = sys.executable
     cache_dir: str = ""  # SGLang: this server's own JIT cache folder (node-local), "" for darl-engine
     keep_env: list[str] = field(default_factory=list)  # SGLang: SGLANG_DROPPED_ENV names kept (launch.engine_env_keep)
+    dtype: str = "float32"  # darl-engine --dtype (rollout.engine_dtype); float32 adds no flag
 
     def command(self, host: str, port: int) -> list[str]:
         if self.backend == "sglang":
@@ -65,6 +66,7 @@ class EngineSpec:
             argv = [self.python, "-m", EMBEDDED_MODULE, "--model", self.model_dir, "--host", host,
                     "--port", str(port), "--threads", str(self.threads), "--max-batch", str(self.max_batch),
                     "--seed", str(self.seed)]
+            argv += ["--dtype", self.dtype] if self.dtype != "float32" else []
         if self.api_key:
             argv += ["--api-key", self.api_key]
         return argv + list(self.extra_args)
@@ -124,7 +126,7 @@ def engine_specs(cfg: Any, indices: list[int], gpus: list[str] | None = None,
                                 seed=cfg.train.seed + index, max_batch=rc.max_concurrent_per_engine,
                                 threads=rc.engine_threads, api_key=rc.api_key, tp=per if mine else 1, gpus=mine,
                                 extra_args=list(cfg.launch.engine_args), python=python,
-                                keep_env=list(cfg.launch.engine_env_keep),
+                                keep_env=list(cfg.launch.engine_env_keep), dtype=rc.engine_dtype,
                                 cache_dir=os.path.join(cache, f"engine{k}") if cache else ""))
     return specs
 

@@ -1,4 +1,4 @@
-"""The embedded engine's decoding core: an fp32 forward over Hugging Face weights with a KV cache.
+"""The embedded engine's decoding core: a forward over Hugging Face weights with a KV cache.
 
 What it is: a plain-torch implementation of the Qwen3 decoder block (also Qwen2 and Llama: the
 same block without QK-norm, with or without q/k/v biases), loaded from an HF folder
@@ -8,7 +8,11 @@ batching on top: sequences join between steps (their KV is prefilled), decode to
 batched step, and leave when finished; a weight swap marks every row for re-prefill, so
 in-flight sequences continue under the new weights with their KV recomputed. The sampler is
 `sampling.py`; a row whose logits or sampled log-prob is not finite fails (`Sequence.error`)
-instead of reaching an answer.
+instead of reaching an answer. The engine dtype (`ENGINE_DTYPES`: float32, the default, bfloat16
+or float16; `rollout.engine_dtype`) is that of the weights, activations and KV cache, on CPU and
+GPU alike: weights are read (and received) as fp32 and cast when the model is built; RMSNorm
+statistics are taken in fp32 and logits are returned in fp32 for the sampler, as transformers
+and SGLang do; the learner keeps its own dtype, so a bf16 engine disagrees with it on purpose.
 What it is not: an HTTP server (that is `server.py`), a tokenizer (ids in, ids out), or
 a trainer: no autograd, no dropout. Measured faster than `transformers.generate()` on CPU with
 log-probs equal to transformers' within 1e-4 (tests/unit/engine/test_decoder.py;
@@ -39,6 +43,9 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 }
 # HF buffers some checkpoints carry that are not weights
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# the engine dtypes `--dtype` / `rollout.engine_dtype` accept
+ENGINE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                         "float16": torch.float16}
 
 
 def _ignored(name: str, spec: ModelSpec) -> bool:
@@ -155,7 +162,10 @@ def load_hf_tensors(model_dir: str | Path, spec: ModelSpec) -> dict[str, torch.T
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    # the statistics in fp32 whatever the engine dtype (as transformers' RMSNorm): the casts are
+    # no-ops for an fp32 engine, whose results stay bit for bit those of before
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,10 +191,11 @@ class KVCache:
     """K and V for `rows` sequences: [layers, rows, kv_heads, capacity, head_dim]. Row r holds
     the KV of positions 0..len-1 of the sequence in slot r; capacity grows by doubling."""
 
-    def __init__(self, spec: ModelSpec, rows: int, device: torch.device, capacity: int = 128):
+    def __init__(self, spec: ModelSpec, rows: int, device: torch.device, capacity: int = 128,
+                 dtype: torch.dtype = torch.float32):
         self.shape = (spec.num_layers, rows, spec.num_kv_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(self.shape, device=device)
-        self.v = torch.zeros(self.shape, device=device)
+        self.k = torch.zeros(self.shape, device=device, dtype=dtype)
+        self.v = torch.zeros(self.shape, device=device, dtype=dtype)
 
     @property
     def capacity(self) -> int:
@@ -211,11 +222,12 @@ class KVCache:
 class CausalLM:
     """The forward pass. `prefill` writes the KV of whole sequences into cache rows; `decode`
     feeds one token per row (rows 0..B-1, each at its own position) and returns last-position
-    logits."""
+    logits (fp32, whatever the engine `dtype` the weights and activations are in)."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], device: torch.device):
-        self.spec, self.device = spec, device
-        t = {k: v.to(device) for k, v in tensors.items()}
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        self.spec, self.device, self.dtype = spec, device, dtype
+        t = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]
         self.norm = t["model.norm.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else t["lm_head.weight"]
@@ -241,7 +253,7 @@ class CausalLM:
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2], as transformers does
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return emb.cos(), emb.sin()
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # angles in fp32, as transformers
 
     def _block(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         s = self.spec
@@ -299,7 +311,7 @@ class CausalLM:
                 return F.scaled_dot_product_attention(grouped, keys, vals, attn_mask=mask).reshape(q.shape)
 
             x = self._block(layer, x, cos, sin, attend)
-        return F.linear(_rms(x[:, -1], self.norm, self.spec.rms_eps), self.lm_head)
+        return F.linear(_rms(x[:, -1], self.norm, self.spec.rms_eps), self.lm_head).float()
 
 
 @dataclass
@@ -332,12 +344,23 @@ class Decoder:
     moving the last row into its slot, so every step is one dense batched forward.
     """
 
-    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu", max_batch: int = 64, seed: int = 0):
-        self.device = torch.device(device)
+    def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu", max_batch: int = 64, seed: int = 0,
+                 dtype: str = "float32"):
+        """Load `model_dir` and set up the batch.
+
+        Args:
+            device: where the model, the KV cache and the sampler run.
+            max_batch: the most sequences decoded together (rows of the KV cache).
+            seed: the sampler's generator, for requests without a seed of their own.
+            dtype: the engine dtype (`ENGINE_DTYPES`) of weights, activations and KV cache.
+        """
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"engine dtype {dtype!r}: allowed are {', '.join(ENGINE_DTYPES)}")
+        self.device, self.dtype = torch.device(device), ENGINE_DTYPES[dtype]
         self.spec = ModelSpec.from_dir(model_dir)
-        self.model = CausalLM(self.spec, load_hf_tensors(model_dir, self.spec), self.device)
+        self.model = CausalLM(self.spec, load_hf_tensors(model_dir, self.spec), self.device, self.dtype)
         self.max_batch = max_batch
-        self.cache = KVCache(self.spec, max_batch, self.device)
+        self.cache = KVCache(self.spec, max_batch, self.device, dtype=self.dtype)
         self.rows: list[Sequence] = []
         self.version = 0
         self.generator = torch.Generator(self.device).manual_seed(seed)
@@ -406,8 +429,9 @@ class Decoder:
         self.use_tensors(load_hf_tensors(model_dir, self.spec))
 
     def use_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Swap in checked HF-named fp32 tensors; running sequences re-prefill under them."""
-        self.model = CausalLM(self.spec, tensors, self.device)
+        """Swap in checked HF-named fp32 tensors (cast to the engine dtype); running sequences
+        re-prefill under them."""
+        self.model = CausalLM(self.spec, tensors, self.device, self.dtype)
         for s in self.rows:
             s.needs_prefill = True
 

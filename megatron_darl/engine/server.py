@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError
+from megatron_darl.engine.decoder import ENGINE_DTYPES, Decoder, Sequence, WeightLoadError
 from megatron_darl.engine.http_io import (
     BodyReader,
     ClientGone,
@@ -281,6 +281,7 @@ class EngineServer(Scheduler):
             "paused": self.paused,
             "weights_incomplete": self.incomplete,  # why decoding is held (part of a broadcast version), or null
             "max_batch": self.decoder.max_batch,
+            "dtype": str(self.decoder.dtype).removeprefix("torch."),  # as SGLang's server_args `dtype`
             "num_waiting": len(self.pending),
             "running": [{"rid": s.rid, "generated": len(s.output_ids)} for s in self.decoder.rows],
             "tokens_generated": self.decoder.tokens_generated,
@@ -348,7 +349,8 @@ class EngineServer(Scheduler):
 
 
 def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: str | None = None,
-                   threads: int = 1, max_batch: int = 64, python: str = sys.executable) -> list[str]:
+                   threads: int = 1, max_batch: int = 64, python: str = sys.executable,
+                   dtype: str = "float32") -> list[str]:
     """The argv that starts one engine (what `darl-engine` runs), for launchers and restarts.
 
     Args:
@@ -360,9 +362,11 @@ def engine_command(model_dir: str, port: int, host: str = "127.0.0.1", api_key: 
         threads: torch threads of the engine process (`--threads`).
         max_batch: the most sequences decoded together (`--max-batch`).
         python: the interpreter that runs `-m megatron_darl.engine`; the default is this process's.
+        dtype: the engine dtype (`--dtype`: float32, bfloat16, float16); float32 adds no flag.
     """
     cmd = [python, "-m", "megatron_darl.engine", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
+    cmd += ["--dtype", dtype] if dtype != "float32" else []
     return cmd + (["--api-key", api_key] if api_key else [])
 
 
@@ -389,7 +393,8 @@ def _add_limit_flags(ap: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`darl-engine --model HF_DIR --host 127.0.0.1 --port P [--api-key K] [--threads N] [--max-batch N]
-    [--max-prompts-per-request N] [--max-request-tokens N] [--max-body-mb M] [--body-timeout-s S]`."""
+    [--dtype float32|bfloat16|float16] [--max-prompts-per-request N] [--max-request-tokens N]
+    [--max-body-mb M] [--body-timeout-s S]`."""
     ap = argparse.ArgumentParser(prog="darl-engine",
                                  description="Embedded rollout engine speaking SGLang's HTTP protocol.")
     ap.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
@@ -401,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=64, help="sequences decoded together at most")
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto (cuda when available)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without a seed")
+    ap.add_argument("--dtype", default="float32", choices=sorted(ENGINE_DTYPES),
+                    help="weights, activations and KV cache (default float32; logits and log-probs stay fp32)")
     _add_limit_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -408,14 +415,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_interop_threads(1)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
-        decoder = Decoder(args.model, device=device, max_batch=args.max_batch, seed=args.seed)
+        decoder = Decoder(args.model, device=device, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype)
     except (WeightLoadError, OSError) as exc:
         sys.exit(f"darl-engine: cannot load --model {args.model}: {exc}")
     limits = Limits(max_prompts=args.max_prompts_per_request, max_tokens=args.max_request_tokens,
                     max_body_bytes=int(args.max_body_mb * 1024**2), body_timeout_s=args.body_timeout_s)
     gc.freeze()  # the model and the imports stay: a full collection (GIL held) walks only what requests make
     server = EngineServer(decoder, str(Path(args.model)), api_key=args.api_key, limits=limits)
-    print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device}, serving http://{args.host}:{args.port}",
+    print(f"darl-engine: {decoder.spec.arch} from {args.model} on {device} ({args.dtype}), serving http://{args.host}:{args.port}",
           flush=True)
     web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
                 backlog=LISTEN_BACKLOG, shutdown_timeout=5.0)
