@@ -49,6 +49,8 @@ tokens of the whole batch); `darl_policy_loss` takes `beta` and `version_token_c
 | diagnostics(prox, behav, mask, versions, ...) | dict | ESS, rho stats, KL, staleness |
 | drift_diagnostics(prox, behav, mask, versions) | dict | KL, ESS of exp(p - b): losses without weights |
 | kl_estimates, staleness_histogram, masked_quantile | dict / 0-dim | diagnostics parts |
+| learner_logp_at_behavior_version(prox, token_versions, ...) | [B,T], at_hand | p at the token's version |
+| mismatch_metrics(learner_logp, behav, mask, at_hand, ...) | dict | engine-learner mismatch |
 """
 
 import sys
@@ -67,6 +69,7 @@ from .losses import (
     sg_policy_loss,
     weighted_surrogate,
 )
+from .mismatch import learner_logp_at_behavior_version, mismatch_metrics
 from .pmis import (
     RolloutISOptions,
     combine_versions,
@@ -111,7 +114,9 @@ __all__ = [
     "group_scores",
     "interpolate_version_logp",
     "kl_estimates",
+    "learner_logp_at_behavior_version",
     "masked_quantile",
+    "mismatch_metrics",
     "mixture_log_prob",
     "pmis_batch_constants",
     "pmis_behavior_weights",

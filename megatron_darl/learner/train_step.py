@@ -292,7 +292,7 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig
     steps: list[dict] = []
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
     whole, batch_metrics = minibatch_constants(a, batch, np.arange(batch.batch_size), beta, pmis, prox_version)
-    batch_metrics = {**weight_diagnostics(a, batch, whole), **batch_metrics}
+    batch_metrics = {**weight_diagnostics(a, batch, whole, prox_version), **batch_metrics}
     for rows in split_minibatches(batch.group_index, a.ppo_n_minibatches, minibatch_seed):
         consts = minibatch_share(whole, batch, rows)
         mbs = rank_micro_batches(batch, rows, lc.micro_batch_tokens, dp, dp_rank, device, lockstep=lockstep)
@@ -321,13 +321,16 @@ def train_step(ddp: list, optimizer, scheduler, batch: TrainBatch, a: AlgoConfig
     return out
 
 
-def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict) -> dict[str, float]:
+def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict,
+                       prox_version: int | None = None) -> dict[str, float]:
     """ALGORITHM.md's drift diagnostics of the whole batch, from the behavior weights the
     configured loss multiplies its surrogate by (`whole`: the batch's `minibatch_constants`):
     ESS fraction, rho mean/max/p99 and token share, global and per version, KL(mu || pi_prox)
     k1/k2/k3; plus the weight function's own fractions (capped, truncated, masked, vetoed).
     Losses without behavior weights (naive and synchronous PPO, sg_weight) get KL and the ESS of
-    the weights they do not apply (`algo.drift_diagnostics`), when proximal log-probs exist."""
+    the weights they do not apply (`algo.drift_diagnostics`), when proximal log-probs exist.
+    Every loss also gets the engine-learner mismatch (`algo/mismatch_*`) on the tokens whose
+    behavior version the learner has at hand (`prox_version`, kept snapshots)."""
     if batch.prox_logprobs is None:
         return {}
     prox, behav = (torch.as_tensor(x, dtype=torch.float32) for x in (batch.prox_logprobs, batch.behav_logprobs))
@@ -354,7 +357,23 @@ def weight_diagnostics(a: AlgoConfig, batch: TrainBatch, whole: dict) -> dict[st
         out = algo.drift_diagnostics(prox, behav, mask, versions)
     else:
         out = {**algo.diagnostics(prox, behav, mask, versions, weights=rho), **out}
-    return {k: float(v) for k, v in out.items()}
+    return {**{k: float(v) for k, v in out.items()}, **mismatch_diagnostics(a, batch, prox, behav, prox_version)}
+
+
+def mismatch_diagnostics(a: AlgoConfig, batch: TrainBatch, prox: torch.Tensor, behav: torch.Tensor,
+                         prox_version: int | None) -> dict[str, float]:
+    """`algo/mismatch_*` (`algo.mismatch_metrics`): behavior log-probs against the learner's at the
+    token's own version, the proximal one (`prox_version`) or a kept snapshot's; the PPO ratio's
+    clip range is the loss's own (`algo.clip_low`, `algo.clip_high`)."""
+    tv = torch.as_tensor(batch.versions, dtype=torch.long).unsqueeze(-1).expand(prox.shape)
+    if batch.token_versions is not None:  # a token's own version where recorded (not checked here: a diagnostic)
+        given_tv = torch.as_tensor(np.asarray(batch.token_versions), dtype=torch.long)
+        tv = torch.where(given_tv >= 0, given_tv, tv)
+    given = {int(k): torch.as_tensor(v, dtype=torch.float32)
+             for k, v in (batch.behav_logprobs_by_version or {}).items()}
+    logp, at_hand = algo.learner_logp_at_behavior_version(prox, tv, prox_version, given)
+    return algo.mismatch_metrics(logp, behav, torch.as_tensor(batch.loss_mask) > 0, at_hand,
+                                 clip_low=a.clip_low, clip_high=a.clip_high)
 
 
 def _mfu(num_params: int, tokens: float, seconds: float, gpus: int) -> dict[str, float]:

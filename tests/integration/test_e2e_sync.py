@@ -43,6 +43,10 @@ def test_eta0_is_synchronous_and_reproducible(tmp_path, warm_model, monkeypatch)
             assert m["algo/staleness/batch/max"] == 0.0, (step, m["algo/staleness/batch/max"])
             assert m["algo/staleness/batch/0"] == 1.0
             assert m["train/version"] == step + 1
+            # fp32 engine and learner at the same version: every token compared, agreeing to numerics
+            assert m["algo/mismatch_tokens_frac"] == 1.0
+            assert m["algo/mismatch_abs_max"] < 1e-5 and m["algo/mismatch_kl"] < 1e-10, (step, m)
+            assert m["algo/mismatch_clip_frac"] == 0.0
     for step in range(steps):
         a, b = rows[0][step], rows[1][step]
         assert a["train/loss"] == b["train/loss"], (step, a["train/loss"], b["train/loss"])

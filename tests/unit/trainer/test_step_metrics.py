@@ -101,3 +101,24 @@ def test_the_loop_diagnostics_describe_the_data_only():
     assert not any(k.startswith(WEIGHT_KEYS) for k in out)
     assert out["algo/staleness/batch/1"] == 0.5 and out["algo/staleness/batch/2"] == 0.5
     assert out["rollout/reward_mean/v3"] == pytest.approx(float(batch.rewards[:6].mean()))
+
+
+def test_mismatch_is_measured_where_the_learner_has_the_tokens_version():
+    """`algo/mismatch_*` compare b with the learner's log-prob at the token's own version: the
+    proximal one (version 4 here) and kept snapshots (version 3), never a later version's p."""
+    batch = _batch()
+    m, v4 = batch.loss_mask > 0, (batch.token_versions == 4)
+    a = AlgoConfig(policy_loss="ppo", old_logprob="proximal", clip_high=0.28)
+    d = (batch.prox_logprobs.astype(np.float64) - batch.behav_logprobs)[m & v4]
+    out = weight_diagnostics(a, batch, {}, prox_version=4)
+    assert out["algo/mismatch_tokens_frac"] == pytest.approx(0.5)
+    assert out["algo/mismatch_abs_mean"] == pytest.approx(float(np.abs(d).mean()), rel=1e-6)
+    assert out["algo/mismatch_kl"] == pytest.approx(float((np.expm1(d) - d).mean()), rel=1e-5)
+    r = np.exp(d)
+    assert out["algo/mismatch_clip_frac"] == pytest.approx(float(((r < 0.8) | (r > 1.28)).mean()))
+    snap = batch.behav_logprobs + np.float32(1e-3) * (batch.token_versions == 3)
+    batch.behav_logprobs_by_version = {3: snap}  # a kept snapshot of version 3: all tokens at hand
+    both = weight_diagnostics(a, batch, {}, prox_version=4)
+    assert both["algo/mismatch_tokens_frac"] == 1.0
+    assert both["algo/mismatch_abs_mean"] == pytest.approx((np.abs(d).sum() + 1e-3 * d.size) / m.sum(), rel=1e-4)
+    assert weight_diagnostics(a, _batch(), {})["algo/mismatch_tokens_frac"] == 0.0  # no version at hand
