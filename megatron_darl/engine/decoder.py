@@ -272,10 +272,11 @@ class CausalLM:
         return x + F.linear(F.silu(gate) * up, layer.down)
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, rows: list[int], tokens: torch.Tensor) -> None:
+    def prefill(self, cache: KVCache, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """Causal pass over right-padded `tokens` [N, T] from position 0; writes K/V of every
         position into cache `rows` (padding K/V lands beyond each row's length, where the
-        causal mask of later steps never looks before it is overwritten)."""
+        causal mask of later steps never looks before it is overwritten). Returns the last
+        layer's hidden states [N, T, H] (for prompt log-probs, `logprobs_of`)."""
         n, t = tokens.shape
         cache.ensure(t)
         idx = torch.tensor(rows, device=self.device)
@@ -288,6 +289,14 @@ class CausalLM:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
             x = self._block(layer, x, cos, sin, attend)
+        return x
+
+    @torch.inference_mode()
+    def logprobs_of(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Log-probs [T] of `targets` [T] from the hidden states [T, H] of the positions before
+        them, untempered and over the full vocabulary (SGLang's prompt log-probs)."""
+        logits = F.linear(_rms(hidden, self.norm, self.spec.rms_eps), self.lm_head).float()
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -330,6 +339,8 @@ class Sequence:
     finish: dict | None = None
     needs_prefill: bool = True
     error: str | None = None  # set when decoding failed for this sequence (it leaves the batch)
+    logprob_start: int = -1  # first prompt position whose log-prob is answered (-1: none; SGLang's logprob_start_len)
+    prompt_logprobs: list[float | None] | None = None  # of tokens[logprob_start:prompt_len], set at the first prefill
 
     @property
     def output_ids(self) -> list[int]:
@@ -388,6 +399,9 @@ class Decoder:
         if not self.rows:
             return []
         self._prefill()
+        failed = self._evict(lambda s: s.error is not None)  # a non-finite prompt log-prob
+        if not self.rows:
+            return failed
         seqs = self.rows
         tokens = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=self.device)
@@ -414,7 +428,7 @@ class Decoder:
                 s.versions.append(self.version)
                 s.finish = self._finish_reason(s, tok)
         self.tokens_generated += len(good)
-        return self._evict(lambda s: s.finish is not None)
+        return failed + self._evict(lambda s: s.finish is not None)
 
     def remove(self, rids: str | Collection[str] | None = None) -> list[Sequence]:
         """Take sequences out of the batch (all when rids is None; one id or a set of ids), e.g.
@@ -443,9 +457,27 @@ class Decoder:
             for j, i in enumerate(todo):
                 ctx = self.rows[i].tokens[:-1]
                 batch[j, : len(ctx)] = torch.tensor(ctx)
-            self.model.prefill(self.cache, todo, batch.to(self.device))
+            hidden = self.model.prefill(self.cache, todo, batch.to(self.device))
+            for j, i in enumerate(todo):
+                self._score_prompt(self.rows[i], hidden[j])
         for s in self.rows:
+            if s.prompt_logprobs is None and s.logprob_start >= 0:  # a one-token prompt: nothing to score
+                s.prompt_logprobs = [None] * (s.prompt_len - s.logprob_start)
             s.needs_prefill = False
+
+    def _score_prompt(self, s: Sequence, hidden: torch.Tensor) -> None:
+        """The prompt log-probs of `s` asked for (`logprob_start`), once, from its first prefill:
+        the weights its first token is sampled with. A non-finite one fails the row."""
+        if s.prompt_logprobs is not None or s.logprob_start < 0 or s.logprob_start >= s.prompt_len:
+            return
+        # position t-1 predicts prompt token t; the first answered token's log-prob is null (SGLang)
+        first = s.logprob_start + 1
+        targets = torch.tensor(s.tokens[first : s.prompt_len], device=self.device)
+        lps = self.model.logprobs_of(hidden[first - 1 : s.prompt_len - 1], targets).tolist()
+        if not all(math.isfinite(v) for v in lps):
+            s.error = f"non-finite prompt log-prob (weight version {self.version})"
+            s.finish = {"type": "abort", "message": s.error}
+        s.prompt_logprobs = [None, *lps]
 
     def _finish_reason(self, s: Sequence, tok: int) -> dict | None:
         sp = s.sampling

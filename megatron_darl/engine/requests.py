@@ -3,7 +3,8 @@
 What it is: `parse_generate` turns a /generate body into (rid, input_ids, SamplingParams)
 items, validating every field's type and range and answering `BadRequest` (HTTP 400) with the
 field named; `response_json` writes a finished sequence the way SGLang 0.5.23 answers, with
-`meta_info.weight_versions` spans (`[{"version", "start", "end"}]`) for the per-token versions.
+`meta_info.weight_versions` spans (`[{"version", "start", "end"}]`) for the per-token versions,
+and prompt log-probs from `logprob_start_len` (`parse_logprob_starts`, `prompt_logprob_entries`).
 `sampling_params` is as strict as SGLang's own `SamplingParams` struct: a key SGLang does not
 know (e.g. `seed` instead of `sampling_seed`) fails the request, so nothing can pass here and
 fail on SGLang; SGLang fields this engine cannot honour (stop strings, penalties, grammars, ...)
@@ -225,6 +226,38 @@ def parse_generate(body: dict, vocab_size: int, max_prompts: int = MAX_PROMPTS, 
     return list(zip(rids, prompts, sps, strict=True)), batched
 
 
+def parse_logprob_starts(body: dict, prompts: list[list[int]]) -> list[int]:
+    """`logprob_start_len` (one int for every prompt, or a list with one per prompt) -> per prompt
+    the first position whose prompt log-prob is answered in `input_token_logprobs`, -1 for none
+    (absent, -1, or no `return_logprob`: SGLang 0.5.23 then ignores it, scheduler.py:3256-3258).
+    A start beyond the prompt is refused with SGLang's own message (scheduler.py:3275-3280,
+    where it aborts the request)."""
+    raw = body.get("logprob_start_len")
+    if raw is None or not body.get("return_logprob"):
+        return [-1] * len(prompts)
+    starts = raw if isinstance(raw, list) else [raw] * len(prompts)
+    if len(starts) != len(prompts) or not all(_is_int(x) for x in starts):
+        raise BadRequest(f"field 'logprob_start_len' must be an integer (or one per prompt, {len(prompts)}), "
+                         f"got {_short(raw)}")
+    for p, start in zip(prompts, starts):
+        if start < -1:
+            raise BadRequest(f"field 'logprob_start_len' must be -1 (none) or >= 0, got {start}")
+        if start > len(p):
+            raise BadRequest(f"field 'logprob_start_len': req.logprob_start_len={start} is higher than the number "
+                             f"of input tokens len(req.origin_input_ids)={len(p)}. Please use a smaller "
+                             "logprob_start_len.")
+    return [int(x) for x in starts]
+
+
+def prompt_logprob_entries(tokens: list[int], start: int, values: list[float | None] | None) -> list[list]:
+    """SGLang's `input_token_logprobs` from `start`: `[logprob, token_id, null]` per prompt token
+    `tokens[start:]`, the first one's log-prob null (its logits are not computed:
+    `[None] + input_token_logprobs[:-1]`, logprob_result_processor.py:38); [] without a start."""
+    if values is None or start < 0:
+        return []
+    return [[v, t, None] for v, t in zip(values, tokens[start:], strict=True)]
+
+
 def parse_weight_version(raw: Any, current: int) -> int:
     """`weight_version` of a weight update -> the engine's next version (None: current + 1).
     SGLang keeps whatever string it is sent; this engine keeps an int64 that never goes back, so
@@ -260,9 +293,11 @@ def weight_version_spans(versions: list[int], current: int) -> list[dict[str, An
 
 
 def response_json(rid: str, output_ids: list[int], logprobs: list[float], versions: list[int], finish: dict,
-                  prompt_len: int, latency_s: float, current_version: int) -> dict:
+                  prompt_len: int, latency_s: float, current_version: int,
+                  input_logprobs: list[list] | None = None) -> dict:
     """SGLang's /generate answer for one finished (or aborted) request, with return_logprob and
-    no tokenizer: `text` is empty and log-prob entries carry no text."""
+    no tokenizer: `text` is empty and log-prob entries carry no text; `input_logprobs`: the
+    prompt's entries (`prompt_logprob_entries`), [] when none were asked for."""
     spans = weight_version_spans(versions, current_version)
     if finish.get("type") == "abort":
         finish = {"type": "abort", "message": finish.get("message"), "status_code": None, "err_type": None}
@@ -278,7 +313,7 @@ def response_json(rid: str, output_ids: list[int], logprobs: list[float], versio
             "weight_version": spans[-1]["version"],
             "weight_versions": spans,
             "e2e_latency": latency_s,
-            "input_token_logprobs": [],
+            "input_token_logprobs": list(input_logprobs or []),
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, output_ids, strict=False)],
             "output_token_logprobs_length": len(output_ids),
         },

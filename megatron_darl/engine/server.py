@@ -58,7 +58,14 @@ from megatron_darl.engine.http_io import (
     encode_strict,
     error_middleware,
 )
-from megatron_darl.engine.requests import BadRequest, parse_generate, parse_weight_version, response_json
+from megatron_darl.engine.requests import (
+    BadRequest,
+    parse_generate,
+    parse_logprob_starts,
+    parse_weight_version,
+    prompt_logprob_entries,
+    response_json,
+)
 from megatron_darl.engine.scheduler import Scheduler
 from megatron_darl.engine.weight_group import WeightGroupRoutes
 from megatron_darl.types import PAUSE_MODES, SamplingParams
@@ -101,8 +108,12 @@ class EngineServer(Scheduler):
         if self.closing:
             raise ShuttingDown("the engine is shutting down")
         spec, limits = self.decoder.spec, self.http.limits
-        items, batched = await self.http.aread(request, lambda body: parse_generate(
-            body, spec.vocab_size, limits.max_prompts, limits.max_tokens, spec.max_positions))
+        def parse(body: dict):
+            items, batched = parse_generate(body, spec.vocab_size, limits.max_prompts, limits.max_tokens,
+                                            spec.max_positions)
+            return items, batched, parse_logprob_starts(body, [ids for _, ids, _ in items])
+
+        items, batched, starts = await self.http.aread(request, parse)
         if client_gone(request):
             raise ClientGone(f"{len(items)} prompt(s) dropped before they were queued")
         started = time.monotonic()
@@ -111,10 +122,10 @@ class EngineServer(Scheduler):
         if dup or len(rids) != len(items):
             raise BadRequest(f"field 'rid': request id {(dup or [items[0][0]])[0]!r} is already in flight")
         futs = []
-        for rid, ids, sp in items:
+        for (rid, ids, sp), start in zip(items, starts):
             futs.append(asyncio.get_running_loop().create_future())
             self.futures[rid] = futs[-1]
-            self.pending.append(Sequence(rid=rid, tokens=ids, prompt_len=len(ids), sampling=sp))
+            self.pending.append(Sequence(rid=rid, tokens=ids, prompt_len=len(ids), sampling=sp, logprob_start=start))
         self.clients[id(request)] = (request, rids)
         self.wake.set()
         try:
@@ -138,7 +149,8 @@ class EngineServer(Scheduler):
         version = self.decoder.version
 
         def write() -> bytes:
-            out = [response_json(s.rid, s.output_ids, s.logprobs, s.versions, s.finish, s.prompt_len, latency, version)
+            out = [response_json(s.rid, s.output_ids, s.logprobs, s.versions, s.finish, s.prompt_len, latency, version,
+                                 prompt_logprob_entries(s.tokens[: s.prompt_len], s.logprob_start, s.prompt_logprobs))
                    for s in seqs]
             return encode_strict(out if batched else out[0])
 
