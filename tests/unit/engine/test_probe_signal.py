@@ -1,4 +1,4 @@
-"""The signal a weight-version probe reads (issue 52, item 1; the probe's wiring into the trainer
+"""The signal a weight-version probe reads (the probe's wiring into the trainer
 is not built yet): the prompt log-probs of a fixed 256-token sequence, served by darl-engine
 (`logprob_start_len=0`), against the fp32 reference's (transformers here, the learner in a run).
 Weights that are finite, of the right shape and pass every file check today but are wrong (one
