@@ -5,7 +5,7 @@ What it is: `EngineSpec` (everything needed to start engine i: backend, model, t
 batch size, seed, API key) with `command(host, port)`, `env()` (what it adds to its host's
 environment) and `environment()` (its whole environment: an SGLang server's leaves out the
 host's library-path variables, `SGLANG_DROPPED_ENV`, unless `launch.engine_env_keep` names
-them), built from a run's config by
+them, and always `SGLANG_REFUSED_ENV`), built from a run's config by
 `engine_specs(cfg, indices, gpus)`; the launcher's engine hosts and the manager's standalone
 restarter both start engines only through it, so a restarted engine gets exactly the flags its
 first start had. `EngineAnnouncement`: the small JSON an engine host writes to
@@ -35,6 +35,11 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # PYTHONPATH / PYTHONHOME put the learner's packages (torch 2.13) before SGLang's.
 SGLANG_DROPPED_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "PYTHONPATH",
                       "PYTHONHOME")
+# Never passed to an SGLang server, whatever `launch.engine_env_keep` says: set to a true value it
+# makes sglang 0.5.23 return untempered output log-probs (srt/layers/sampler.py:82, :322-323),
+# while the learner computes log_softmax(logits / rollout.temperature) (docs/ALGORITHM.md,
+# "Truncated sampling"): at a temperature other than 1 every ratio would be wrong.
+SGLANG_REFUSED_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 
 
 @dataclass
@@ -85,9 +90,11 @@ class EngineSpec:
     def environment(self, hosts: tuple[str, ...] = (), environ: Any = None) -> dict[str, str]:
         """The engine's whole environment: its host's (`environ`, default os.environ) plus
         `env(hosts)`; an SGLang server's without SGLANG_DROPPED_ENV, except the names in
-        `keep_env` (`launch.engine_env_keep`)."""
+        `keep_env` (`launch.engine_env_keep`), and always without SGLANG_REFUSED_ENV."""
         base = dict(os.environ if environ is None else environ)
         if self.backend == "sglang":
+            for key in SGLANG_REFUSED_ENV:
+                base.pop(key, None)
             for key in SGLANG_DROPPED_ENV:
                 if key not in self.keep_env:
                     base.pop(key, None)

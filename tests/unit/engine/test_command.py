@@ -124,3 +124,13 @@ def test_each_sglang_server_compiles_into_its_own_node_local_cache(tmp_path, mon
     explicit = load_config(None, ["model.hf_dir=/m", "rollout.backend=sglang", "launch.engine_cache_dir=/local/c"])
     assert engine_specs(explicit, [0], gpus=["0"])[0].env()["SGLANG_CACHE_DIR"] == "/local/c/engine0"
     assert "SGLANG_CACHE_DIR" not in engine_specs(load_config(None, ["model.hf_dir=/m"]), [0])[0].env()
+
+
+def test_sglang_never_gets_the_untempered_logprob_switch():
+    """SGLANG_RETURN_ORIGINAL_LOGPROB would make SGLang return untempered log-probs, which the
+    learner (log_softmax(logits / T)) does not compute: dropped even when engine_env_keep names it."""
+    environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HOME": "/home/u"}
+    for keep in ([], ["SGLANG_RETURN_ORIGINAL_LOGPROB"]):
+        cfg = load_config(None, ["model.hf_dir=/m", "rollout.backend=sglang", f"launch.engine_env_keep={keep}"])
+        got = engine_specs(cfg, [0])[0].environment(environ=environ)
+        assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in got and got["HOME"] == "/home/u"
