@@ -1,8 +1,9 @@
 """Benchmark: sandboxed programs per second through the reward pool, as root, as a user, in bwrap.
 
 What it is: HumanEval's 164 canonical solutions graded through a `RewardPool` (`--workers`
-workers, the run's default sandbox limits), each one sandboxed program (which serves the calls of
-the test that runs outside it), along three paths:
+workers, the run's default sandbox limits), each two sandboxed programs started together (the
+candidate's, which serves the calls, and the checker's, which runs the test: sandbox_relay.py;
+programs/s counts problems), along three paths:
   root   the package's root path (this script must run as root)
   user   the package's user path (sandbox_userns.py); as root, run in a child of this script as
          an unprivileged uid (tests/helpers/as_user.py), as a cluster job would

@@ -2,12 +2,12 @@
 
 What it is: `grade_code(response, payload, limits)` extracts the program from the response
 (the last fenced code block, else the whole text) and grades it; the candidate's code runs in the
-sandbox (sandbox.py), the tests and the expected values stay here, and only data cross:
-  humaneval   the problem's `check` runs here, in this trusted process (with the prompt's helpers,
-              e.g. `encode_cyclic`), and calls the candidate through `SandboxedFunction`
-              (sandbox_calls.py): one sandboxed program (prompt + completion, no test) serves every
-              call, each argument and return value crossing as JSON of exactly builtin values;
-              passes when `check` returns
+sandbox (sandbox.py), LiveCodeBench's expected values stay here, and only data cross:
+  humaneval   the problem's prompt (helpers such as `encode_cyclic`) and test (`check`) run in a
+              sandbox of their own, beside the candidate's (prompt + completion, no test), and
+              call it through a proxy; the worker only relays lines between the two and takes
+              pass or fail from the checker (sandbox_relay.py): each argument and return value
+              crosses as JSON of exactly builtin values; passes when `check` returns
   stdio       one run per case with the case's input on stdin; stdout compared here line by line,
               token by token (`outputs_match`)
   functional  one sandboxed program serving `Solution().fn_name(*args)` (or a plain function) for
@@ -29,9 +29,7 @@ the program holds no test, no expected value, no secret, and the benchmark data 
 the 164 canonical solutions score 1 and the empty bodies 0 (tests/faults/test_sandbox.py); a
 value that is not builtin data fails the call (tests/unit/rewards/test_sandbox_calls.py).
 What it is not: the sandbox, nor a judge of a test's own quality: a test that accepts a wrong
-value (HumanEval/33 compares the candidate partly with itself) still accepts it; nor a sandbox for
-the test: a HumanEval-format prompt and test are trusted code, run here with this process's
-rights (docs/reliability.md says what that bounds and what it does not).
+value (HumanEval/33 compares the candidate partly with itself) still accepts it.
 """
 
 from __future__ import annotations
@@ -42,8 +40,9 @@ import re
 from typing import Any
 
 from megatron_darl.config.rewards import RewardConfig
-from megatron_darl.rewards.sandbox import SandboxLimits, SandboxRefused, SandboxResult, run_sandboxed
+from megatron_darl.rewards.sandbox import SandboxLimits, SandboxResult, run_sandboxed
 from megatron_darl.rewards.sandbox_calls import CandidateError, SandboxedFunction
+from megatron_darl.rewards.sandbox_relay import run_checked
 
 CODE_FORMATS = ("humaneval", "stdio", "functional")
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -121,46 +120,11 @@ def humaneval_program(code: str, problem: dict[str, Any]) -> str:
     return prompt + code
 
 
-def humaneval_checker(problem: dict[str, Any]) -> dict[str, Any]:
-    """The trusted side of a HumanEval problem: its prompt (helpers such as `encode_cyclic`) and
-    its test (`check`), run here, never in the sandbox."""
-    space: dict[str, Any] = {"__name__": "humaneval_test"}
-    exec(compile(_complete(problem["prompt"]) + "\n\n" + problem["test"], "test.py", "exec"), space)  # benchmark data
-    if not callable(space.get("check")):
-        raise ValueError("grade_code: the humaneval test defines no check()")
-    return space
-
-
-def _complete(prompt: str) -> str:
-    """The prompt as code that compiles: a prompt that is a bare signature (`def f():` and
-    nothing else, no docstring) gets a body; the candidate's stands in for it anyway."""
-    try:
-        compile(prompt, "prompt.py", "exec")
-        return prompt
-    except SyntaxError:
-        pass
-    indent = re.search(r"^([ \t]*)def\s[^\n]*$(?![\s\S]*^[ \t]*def\s)", prompt, re.MULTILINE)
-    body = (indent.group(1) if indent else "") + "    pass\n"
-    return prompt.rstrip() + "\n" + body
-
-
 def _grade_humaneval(
     code: str, problem: dict[str, Any], limits: SandboxLimits
 ) -> tuple[float, str]:
     source = humaneval_program(code, problem)
-    trusted = humaneval_checker(problem)
-    try:
-        with SandboxedFunction(source, problem["entry_point"], limits) as candidate:
-            # a test may name the function as well as take it (HumanEval/33)
-            trusted[problem["entry_point"]] = candidate
-            trusted["check"](candidate)
-    except SandboxRefused:
-        raise
-    except CandidateError as e:
-        return 0.0, _call_failure("tests", e)
-    except Exception as e:  # an assertion of the test, or the test tripping on a wrong value
-        return 0.0, f"tests: {type(e).__name__} {str(e)[:200]}".rstrip()
-    return 1.0, "passed"
+    return run_checked(source, problem["entry_point"], problem["prompt"], problem["test"], limits)
 
 
 def outputs_match(got: str, expected: str, tol: float = 1e-6) -> bool:

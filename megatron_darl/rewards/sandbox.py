@@ -214,7 +214,7 @@ def run_sandboxed(
 
 
 @contextlib.contextmanager
-def prepared_run(program: str, stdin: str, limits: SandboxLimits, isolate: bool):
+def prepared_run(program: str, stdin: str, limits: SandboxLimits, isolate: bool, site: bool = True):
     """The files of one run (spec, program, stdin, output, report: `paths`) in a private folder,
     and its memory cgroup where the machine allows one; on leaving, nothing of the run is left:
     its uid's processes (root), the cgroup and the folders."""
@@ -230,7 +230,7 @@ def prepared_run(program: str, stdin: str, limits: SandboxLimits, isolate: bool)
     cgroup = memory_cgroup(limits.memory_mb) if isolate else None
     paths["cgroup"] = cgroup  # read by `collect`: an OOM kill there is named in stderr
     try:
-        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cgroup)
+        _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cgroup, site)
         yield paths
     finally:
         if root:  # also on an exception here: nothing of this run may survive it (a user's
@@ -240,7 +240,7 @@ def prepared_run(program: str, stdin: str, limits: SandboxLimits, isolate: bool)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cgroup) -> None:
+def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cgroup, site=True) -> None:
     spec = {
         "mode": "root" if root else "user",
         "uid": uid,
@@ -253,6 +253,7 @@ def _write_inputs(paths, program, stdin, limits, uid, scratch, isolate, root, cg
         # where the new root is built, inside our 0700 folder
         "stage": os.path.join(os.path.dirname(paths["spec"]), "new-root"),
         "isolate": bool(isolate),
+        "site": bool(site),  # False: the program's Python starts with -S
         # installs the interpreter needs, bound read-only into the new root
         "expose": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
         # benchmark data inside those installs, hidden under an empty folder

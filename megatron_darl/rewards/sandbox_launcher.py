@@ -158,7 +158,8 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
     py = spec["python"]
     if "mount" not in isolation and _closed_parent(os.path.realpath(py)) is not None:
         py = spec["fallback_python"]  # our interpreter is out of the uid's reach
-    os.execve(py, [py, "-I", "-B", "-c", prelude, "main.py"], env)
+    flags = ["-I", "-B"] if spec.get("site", True) else ["-I", "-B", "-S"]  # -S: the checker, stdlib only
+    os.execve(py, [py, *flags, "-c", prelude, "main.py"], env)
 
 
 def _wait_status(pid: int) -> int:

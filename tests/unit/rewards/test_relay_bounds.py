@@ -6,13 +6,16 @@ integers all hashing alike cost the worker seconds of CPU per item after the wal
 set's build is quadratic: 7 s for 40,000 here), and a program that stopped reading its stdin (or
 filled it itself through /proc/self/fd/0) blocked the worker's write until the pool's timeout
 killed it. Error text the candidate wrote reached RewardResult.detail unescaped (a lone
-surrogate), and a HumanEval-format prompt that is a bare signature failed every item. Each is
-measured here against the naive bound: the item's own wall limit, plus BOUND_S.
+surrogate), a HumanEval-format prompt that is a bare signature failed every item, and the test
+ran in the worker with its rights (a hostile test wrote the host's /tmp; a heavy one held the
+worker until the pool's timeout). Each is measured here against the naive bound: the item's own
+wall limit, plus BOUND_S.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -113,3 +116,19 @@ def test_a_bare_signature_prompt_grades_like_any_other(sandbox):
     results = _timed([_humaneval("    return x * x\n", prompt="def f(x):\n"),
                       _humaneval("    return x + x + 1\n", prompt="def f(x):\n")])
     assert [r[:2] for r in results] == [(1.0, "ok"), (0.0, "ok")], results
+
+
+@pytest.mark.timeout(600)
+def test_a_hostile_or_heavy_test_spends_the_sandbox_not_the_worker(sandbox):
+    mark = f"/tmp/darl-hostile-test-{os.getpid()}"
+    hostile = f"def check(candidate):\n    open({mark!r}, 'w').write('ran with the worker\\'s rights')\n"
+    heavy = "def check(candidate):\n    while True:\n        pass\n"
+    try:
+        results = _timed([_humaneval("    return x * x\n", test=hostile), _humaneval("    return x * x\n", test=heavy)])
+        assert not os.path.exists(mark)  # the test's sandbox has a read-only /tmp of its own
+    finally:
+        if os.path.exists(mark):
+            os.remove(mark)
+    for score, status, detail, seconds in results:
+        assert (score, status) == (0.0, "ok"), detail
+        assert seconds <= WALL_S + BOUND_S, f"{seconds:.1f}s: {detail}"
