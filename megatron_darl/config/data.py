@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 PARTITIONS = ("none", "hash")
 FORMATS = ("auto", "gsm8k", "math500", "aime24", "livecodebench", "custom")
 SOURCE_KINDS = ("reasoning_gym", "jsonl", "parquet", "humaneval")
+PROJECT_DATASETS = ("word_problems",)  # reasoning-gym datasets the project registers (data/word_problems.py)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _check_spec_target(spec: SourceSpec) -> list[str]:
     if spec.kind == "reasoning_gym":
         from reasoning_gym.factory import DATASETS  # heavy import, only when a procedural source is named
 
-        if spec.target not in DATASETS:
+        if spec.target not in DATASETS and spec.target not in PROJECT_DATASETS:
             return [f"unknown reasoning-gym dataset {spec.target!r}; e.g. chain_sum, basic_arithmetic, gsm_symbolic"]
     return []
 

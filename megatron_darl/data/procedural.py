@@ -33,6 +33,9 @@ def _plain(value: Any) -> Any:
 def _create(dataset: str, config: dict[str, Any]):
     import reasoning_gym  # heavy import (100+ datasets register), only when a procedural source is used
 
+    from megatron_darl.data.word_problems import register
+
+    register()  # the project's own dataset, in every process that creates or grades one
     try:
         return reasoning_gym.create_dataset(dataset, **config)
     except (TypeError, ValueError, AssertionError) as e:
