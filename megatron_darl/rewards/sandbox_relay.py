@@ -223,7 +223,10 @@ def _relay(cand: _Side, checker: _Side, deadline: float, start: float) -> tuple[
         left = deadline - time.monotonic()
         if left <= 0:
             return 0.0, _ended("tests", cand.finish(True, deadline, start), "timeout")
-        reads = [s.out for s in (cand, checker) if not s.eof]
+        # read a side only while what it sent the other waits below the cap: a program that
+        # writes without end fills its own pipe, not the worker's memory
+        reads = [s.out for s, to in ((cand, checker), (checker, cand))
+                 if not s.eof and len(to.write_buf) < MAX_CAPTURE]
         writes = [s.inp for s in (cand, checker) if s.write_buf]
         readable, writable, _ = select.select(reads, writes, [], left)
         try:

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from megatron_darl.config.rewards import RewardConfig
+from megatron_darl.rewards import sandbox_relay
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rewards.pool import RewardPool
+from tests.helpers import REPO, repo_env
 from tests.helpers.sandbox import SandboxMode, needs_sandbox
 
 pytestmark = needs_sandbox
@@ -132,3 +136,31 @@ def test_a_hostile_or_heavy_test_spends_the_sandbox_not_the_worker(sandbox):
     for score, status, detail, seconds in results:
         assert (score, status) == (0.0, "ok"), detail
         assert seconds <= WALL_S + BOUND_S, f"{seconds:.1f}s: {detail}"
+
+
+# the candidate writes replies without end while the test never calls: what waits for the checker
+# in the worker stays under the cap (before: it grew for the whole wall limit, 60 MiB over 4 s)
+ENDLESS = """
+from megatron_darl.rewards import sandbox_relay
+from megatron_darl.rewards.sandbox import SandboxLimits
+most = [0]
+pump = sandbox_relay._Side.pump
+def counting(self, readable, writable):
+    lines = pump(self, readable, writable)
+    most[0] = max(most[0], len(self.write_buf))
+    return lines
+sandbox_relay._Side.pump = counting
+source = "def f(x):\\n    return x\\nimport os\\nline = b'{\\"value\\": \\"' + b'x' * 60000 + b'\\"}\\\\n'\\n" \\
+         "while True:\\n    os.write(3, line * 16)\\n"
+test = "def check(candidate):\\n    import time\\n    time.sleep(100)\\n"
+print(sandbox_relay.run_checked(source, "f", "def f(x):\\n", test, SandboxLimits(wall_s=4))[0], most[0])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_endless_replies_fill_the_candidates_pipe_not_the_workers_memory():
+    done = subprocess.run([sys.executable, "-c", ENDLESS], cwd=REPO, env=repo_env(), capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    score, most = done.stdout.split()
+    assert float(score) == 0.0 and int(most) <= 3 * sandbox_relay.MAX_CAPTURE, done.stdout
