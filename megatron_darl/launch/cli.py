@@ -45,6 +45,13 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from megatron_darl.launch.packaged import resolve
+
+    try:  # `model.hf_dir: package:...` becomes its prepared folder before the checks
+        cfg = resolve(cfg)
+    except (ImportError, OSError, ValueError) as exc:
+        print(f"darl-train: cannot prepare model.hf_dir={cfg.model.hf_dir}: {exc}", file=sys.stderr)
+        return 1
     if args.plan:
         from megatron_darl.learner.checks import plan_command
 

