@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_darl.channel.json_files import read_json, write_json_atomic
+from megatron_darl.channel.weight_probe import WeightProbe
 from megatron_darl.types import WeightVersion
 
 
@@ -38,13 +39,16 @@ class WeightNotice:
     write its `state_dict()` (for a checkpoint); a new path means a new request. For the
     staleness gate (None: not reported): `consumed`, the groups the learner has used up with
     these weights (trained once, or aged out untrained; `ReplayStore.consumed`), and
-    `new_groups`, the never-trained groups its next step takes (the gate's batch)."""
+    `new_groups`, the never-trained groups its next step takes (the gate's batch). `probe`: the
+    learner's log-probs of the weight probe under `weights` (None: not checked; notices written
+    before the field have none)."""
 
     weights: WeightVersion | None = None
     stop: bool = False
     state_request: str | None = None
     consumed: int | None = None
     new_groups: int | None = None
+    probe: WeightProbe | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -53,6 +57,7 @@ class WeightNotice:
             "state_request": self.state_request,
             "consumed": self.consumed,
             "new_groups": self.new_groups,
+            "probe": self.probe.to_json() if self.probe is not None else None,
         }
 
     @classmethod
@@ -66,6 +71,7 @@ class WeightNotice:
             state_request=d.get("state_request"),
             consumed=None if d.get("consumed") is None else int(d["consumed"]),
             new_groups=None if d.get("new_groups") is None else int(d["new_groups"]),
+            probe=None if d.get("probe") is None else WeightProbe.from_json(d["probe"], where),
         )
 
 

@@ -51,6 +51,15 @@ class RolloutConfig:
     # where the engines run, never distributed (the rule: `weight_folder_kind`)
     weight_sync: str = "auto"
     weight_sync_timeout_s: float = 120.0  # distributed: bound of every join and broadcast of the weight groups
+    # weight probe: after each version loads, every engine scores these many fixed tokens and the
+    # manager compares with the learner's log-probs of them (0: off). An engine whose max |delta|
+    # passes `probe_max_abs` is restarted; a second failure of the version stops the run.
+    probe_tokens: int = 0
+    # None: by dtype (`probe_threshold`). Measured on a 256-token probe (test_probe_signal.py):
+    # fp32 engine 6e-6, bf16 0.29, wrong-but-loadable weights >= 11.6; so 1e-3 for a float32
+    # darl-engine (150x over its noise) and 2.0 otherwise (7x over bf16's, 5x under the smallest
+    # corruption measured). SGLang servers count as bf16: their dtype is set in engine_args.
+    probe_max_abs: float | None = None
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "backend": ("torch", "sglang"),
@@ -117,6 +126,16 @@ class RolloutConfig:
         if self.backend == "sglang" and self.engine_dtype != "float32":
             errs.append(("engine_dtype", f"{self.engine_dtype} sets darl-engine's dtype (backend torch); SGLang "
                          "servers take theirs from --dtype in launch.engine_args"))
+        if self.probe_tokens != 0 and self.probe_tokens < 2:
+            errs.append(("probe_tokens", f"{self.probe_tokens}: must be 0 (off) or >= 2 (token 0 has no log-prob)"))
+        if self.probe_max_abs is not None and not self.probe_max_abs > 0:
+            errs.append(("probe_max_abs", f"{self.probe_max_abs}: must be > 0, or null for the dtype's default"))
         if self.num_engines < 1 and not self.engine_urls:
             errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
         return errs
+
+    def probe_threshold(self) -> float:
+        """The most max |delta log-prob| an engine's probe may show (see `probe_max_abs`)."""
+        if self.probe_max_abs is not None:
+            return self.probe_max_abs
+        return 1e-3 if self.backend == "torch" and self.engine_dtype == "float32" else 2.0

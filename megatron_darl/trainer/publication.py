@@ -13,6 +13,9 @@ newer one (the manager reports that in its status), keeping at most `keep` folde
 Every exported tensor is checked finite before the notice names the folder (or the staged version): a NaN or Inf stops
 the run with `NonFiniteWeights` naming the tensors and the version, instead of engines serving
 garbage (an engine accepts such a file and then answers with NaN log-probs).
+With `probe_tokens` > 0 every rank also scores the weight probe (`channel/weight_probe.py`) under
+the new version, one forward of one short sequence, and the notice carries it: the manager checks
+each engine's answer for it against these log-probs.
 What it is not: the export itself (`learner.export_hf`) or the engines' loading code.
 """
 
@@ -24,7 +27,8 @@ import time
 from typing import Any
 
 from megatron_darl.channel.weight_notice import WeightNotice, publish_notice, read_notice, read_status
-from megatron_darl.types import WeightVersion
+from megatron_darl.channel.weight_probe import WeightProbe, probe_ids
+from megatron_darl.types import TrainBatch, WeightVersion
 
 
 class NonFiniteWeights(RuntimeError):
@@ -79,8 +83,10 @@ _REPORTED = (("engines up", "rollout/engines_up"), ("groups in flight", "rollout
 
 class Publisher:
     def __init__(self, learner: Any, root: str, notice_path: str, status_path: str, weight_sync: str, keep: int = 3,
-                 sender: Any = None):
+                 sender: Any = None, probe_tokens: int = 0):
         self.learner, self.root, self.weight_sync, self.keep = learner, root, weight_sync, keep
+        self.probe_tokens = probe_tokens  # 0: no weight probe in the notice (rollout.probe_tokens)
+        self.last_probe_s = 0.0
         self.sender = sender  # weight_sync "distributed", main rank: trainer/weight_sender.WeightSender
         self.notice_path, self.status_path = notice_path, status_path
         self.last_publish_s = 0.0
@@ -101,6 +107,7 @@ class Publisher:
             return
         out = self.folder(version)
         self.learner.export_hf(out)  # collective: every rank takes part, the main rank writes
+        probe = self.score_probe(version)  # collective too
         if self.learner.is_main:
             bad = nonfinite_tensors(out)
             if bad:  # checked on the files engines would load, before any engine is told of them
@@ -108,7 +115,7 @@ class Publisher:
                 raise NonFiniteWeights(version, bad)
             size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
             self.notify(WeightVersion(version=version, weight_sync=self.weight_sync, location=out, num_bytes=size),
-                        consumed=consumed, new_groups=new_groups)
+                        consumed=consumed, new_groups=new_groups, probe=probe)
             self._collect_garbage(version)
         self.last_publish_s = time.perf_counter() - t0
 
@@ -121,6 +128,7 @@ class Publisher:
             if self.learner.is_main:  # checked where it is (on the GPU: fast), then a CPU copy
                 bad += nonfinite_named(bucket)
                 staged.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+        probe = self.score_probe(version)  # collective: every rank
         if not self.learner.is_main:
             return
         if bad:
@@ -129,8 +137,36 @@ class Publisher:
         size = sum(t.numel() * t.element_size() for bucket in staged for _, t in bucket)
         where = f"{self.sender.master_address}#v{version}"
         self.notify(WeightVersion(version=version, weight_sync="distributed", location=where, num_bytes=size),
-                    consumed=consumed, new_groups=new_groups)
+                    consumed=consumed, new_groups=new_groups, probe=probe)
         self._collect_garbage(version)  # fallback folders, when any engine needed one
+
+    def score_probe(self, version: int) -> WeightProbe | None:
+        """The learner's log-probs of the weight probe under its current weights (`version`),
+        untempered as the engines answer them; None with `probe_tokens` 0. Every rank calls it
+        (the forward is collective). One sequence of a few hundred tokens: its time is
+        `last_probe_s`."""
+        if self.probe_tokens <= 0:
+            return None
+        import numpy as np
+
+        t0 = time.perf_counter()
+        ids = probe_ids(self.probe_tokens, int(self.learner.vocab_size))
+        n = len(ids)
+        batch = TrainBatch(tokens=np.asarray([ids], dtype=np.int64), lengths=np.asarray([n], dtype=np.int64),
+                           loss_mask=np.zeros((1, n), np.float32), advantages=np.zeros(1, np.float32),
+                           behav_logprobs=np.zeros((1, n), np.float32), token_versions=np.full((1, n), -1, np.int64),
+                           versions=np.asarray([version], np.int64), group_index=np.zeros(1, np.int64),
+                           rewards=np.zeros(1, np.float32), prompt_ids=np.zeros(1, np.int64))
+        temperature = getattr(self.learner, "temperature", None)
+        try:  # engines answer prompt log-probs untempered (SGLang 0.5.23): so does the probe
+            if temperature is not None:
+                self.learner.temperature = 1.0
+            lp = self.learner.compute_logprobs(batch)
+        finally:
+            if temperature is not None:
+                self.learner.temperature = temperature
+        self.last_probe_s = time.perf_counter() - t0
+        return WeightProbe(version=version, ids=ids, logprobs=[float(x) for x in lp[0, 1:n]])
 
     def eval_folder(self, version: int) -> str:
         """An HF folder of `version` for the in-loop evaluation (main rank): the published one,
@@ -153,7 +189,9 @@ class Publisher:
         """Rewrite the notice with new weights and/or other fields (stop, state_request)."""
         old = read_notice(self.notice_path) or WeightNotice()
         fields = {"weights": weights or old.weights, "stop": old.stop, "state_request": old.state_request,
-                  "consumed": old.consumed, "new_groups": old.new_groups}
+                  "consumed": old.consumed, "new_groups": old.new_groups, "probe": old.probe}
+        if weights is not None and "probe" not in changes:
+            fields["probe"] = None  # a probe belongs to its version: never carried to another
         fields.update(changes)
         publish_notice(self.notice_path, WeightNotice(**fields))
 

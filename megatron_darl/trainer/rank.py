@@ -120,7 +120,7 @@ def build_trainer(cfg: RunConfig, info: RunInfo) -> TrainerRank:
               f"{cfg.algo.balance_snapshots} -> {learner.balance_mode} ({how})", flush=True)
     feed = _main_rank_feed(cfg, info) if learner.is_main else None
     publisher = Publisher(learner, info.weights_root, info.notice, info.status, info.weight_sync,
-                          sender=_weight_sender(cfg, info, learner))
+                          sender=_weight_sender(cfg, info, learner), probe_tokens=cfg.rollout.probe_tokens)
     alive = _launcher_alive()
     if world_size() > 1:
         rank_sync(alive)  # the other ranks check the launcher while they wait for the main one
