@@ -108,7 +108,7 @@ def draw(curve: list[tuple[float, float]], png: str) -> bool:
     ax.plot([c[0] for c in curve], [100 * c[1] for c in curve], marker="o")
     ax.set_xlabel("policy version (training step)")
     ax.set_ylabel("greedy held-out accuracy (%)")
-    ax.set_title("SmolLM2-135M-Instruct, word_problems, 2 CPU cores")
+    ax.set_title("SmolLM2-135M-Instruct on word_problems")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
