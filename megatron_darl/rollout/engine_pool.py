@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from megatron_darl.channel.weight_transfer import TransferClient, group_tag
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import RolloutEngine
+from megatron_darl.rollout.probe import ProbeChecker, ProbeFailed
 from megatron_darl.rollout.weight_push import apush_distributed
 from megatron_darl.rollout.workflow import SampleState
 from megatron_darl.types import GenerateRequest, GenerateResponse, SamplingParams, WeightVersion
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 POOL_COUNTERS = (
     "requests", "requeued_requests", "aborted_requests", "restarted_samples", "tokens_generated",
     "requests_refused", "engine_failures", "engine_restarts", "engine_recoveries", "weight_sync_fallbacks",
+    "probe_checks", "probe_failures", "probe_dropped_samples",  # the weight probe (`probe.py`)
 )
 
 # answers that refuse the request, not the engine (SGLang and darl-engine: a field out of range, a
@@ -107,6 +109,7 @@ class EngineSlot:
     # a distributed version failed on it: SGLang loads each bucket as it arrives, so it may hold a
     # mix of versions; it is neither resumed nor given requests until it loaded a whole version
     partial: bool = False
+    restart_wanted: bool = False  # it failed the weight probe: a new process, not a reload, brings it back
 
     def add(self, rid: str, fut: asyncio.Future, now: float) -> None:
         if not self.inflight:
@@ -172,6 +175,7 @@ class EnginePool:
         self._health_s, self._restart_grace_s = health_interval_s, restart_grace_s
         self._group_tag = group_tag(run_id)  # weight_sync=distributed: new names at every manager start
         self._rid_seq = 0
+        self.prober = ProbeChecker(config.probe_threshold(), config.request_timeout_s)  # `.probe` set with weights
 
     # ---- state, for metrics and shutdown --------------------------------------------------
 
@@ -331,6 +335,7 @@ class EnginePool:
             for s in slots:
                 s.version = weights.version if s.up else s.version
         await asyncio.gather(*(self.acontrol(s, "resume", s.engine.aresume) for s in slots if s.up))
+        await asyncio.gather(*(self.aprobe(s) for s in slots if s.up))  # dispatch is still held (`apaused`)
         await asyncio.gather(*(self._aresume_quietly(s) for s in live if not s.up and not s.partial))
 
     async def apush_distributed(self, weights: WeightVersion, slots: list[EngineSlot]) -> None:
@@ -339,6 +344,31 @@ class EnginePool:
             raise ValueError("weight_sync=distributed needs the notice path (the learner answers beside it)")
         client = TransferClient(self._notice_path, self.config.request_timeout_s)
         await apush_distributed(client, weights, slots, self._group_tag, self)
+
+    async def aprobe(self, slot: EngineSlot) -> bool:
+        """Check `slot` against the current version's probe before it gets requests; False
+        (the engine down, to be restarted) when it fails. `ProbeFailed` stops the run."""
+        try:
+            result = await self.prober.acheck(slot)
+        except ProbeFailed:  # counted too: the status written as the run stops shows it
+            self.count("probe_checks")
+            self.count("probe_failures")
+            raise
+        if result is None:
+            return True
+        self.count("probe_checks")
+        if result["ok"]:
+            return True
+        self.count("probe_failures")
+        self.count("probe_dropped_samples", len(slot.inflight))  # their tokens on it are discarded
+        slot.restart_wanted = True
+        reason = f"weight probe of version {self.prober.probe.version} failed: max |delta| {result['max_abs']:.3g}"
+        if slot.up:
+            self.mark_down(slot, reason)
+        else:  # being revived: it stays down
+            slot.version = -1
+            log.warning("engine %d (%s) stays down: %s", slot.index, slot.engine.url, reason)
+        return False
 
     # ---- health -------------------------------------------------------------------------
 
@@ -372,6 +402,8 @@ class EnginePool:
             if await self._areload(slot) or self._restarter is None:
                 return  # back, or tried again at the next round
             healthy = False  # it does not take a version: a restart gives it whole (initial) weights
+        elif slot.restart_wanted and self._restarter is not None:
+            healthy = False  # wrong weights: a new process (without a restarter: a reload, below)
         else:
             await self._aresume_quietly(slot)  # before the health check: paused is not dead
             healthy = await self._ahealthy(slot)
@@ -384,7 +416,7 @@ class EnginePool:
             except Exception as exc:
                 log.warning("engine %d: restart failed: %r", slot.index, exc)
                 return
-            slot.partial = False  # a new engine process, on its initial weights
+            slot.partial = slot.restart_wanted = False  # a new engine process, on its initial weights
             healthy = await self._ahealthy(slot)
         if healthy:
             await self._areload(slot)
@@ -404,7 +436,8 @@ class EnginePool:
             else:  # nothing to push: it serves its initial weights (behind, after a restore)
                 slot.version = self.initial_version
             # resume too: it may have gone down while paused (a no-op on a running engine)
-            if ok and not slot.partial and await self.acontrol(slot, "resume", slot.engine.aresume):
+            if (ok and not slot.partial and await self.acontrol(slot, "resume", slot.engine.aresume)
+                    and await self.aprobe(slot)):
                 slot.up = True  # only now may requests reach it
                 self.count("engine_recoveries")
                 log.info("engine %d (%s) is back at version %d", slot.index, slot.engine.url, slot.version)

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from megatron_darl.channel.weight_notice import weight_version_from_json
+from megatron_darl.channel.weight_probe import WeightProbe
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import AdmissionGate, PromptProvider, RolloutEngine, TrajectorySink
 from megatron_darl.rollout.engine_pool import POOL_COUNTERS, EnginePool, EngineRestarter, Signal
@@ -175,11 +176,12 @@ class RolloutManager:
         self._link.write_status()
 
     async def aupdate_weights(self, weights: WeightVersion, consumed: int | None = None,
-                              new_groups: int | None = None) -> None:
+                              new_groups: int | None = None, probe: WeightProbe | None = None) -> None:
         """Pause every live engine (`pause_mode`), load `weights`, resume. Older versions are ignored;
         the current version is loaded again only from a new location, or when a restored manager
         waits for it (a resumed run publishes the checkpoint's version afresh at launch).
-        `consumed`, `new_groups`: what the learner used up and its next step takes, for the gate."""
+        `consumed`, `new_groups`: what the learner used up and its next step takes, for the gate.
+        `probe`: the learner's log-probs of the weight probe under `weights` (`probe.py`)."""
         pool = self._pool
         async with pool.update_lock:
             same = pool.weights is None or weights.location == pool.weights.location
@@ -191,6 +193,7 @@ class RolloutManager:
             t0 = self._clock()
             async with pool.apaused() as live:  # no dispatch, no admission until every engine resumed
                 pool.version, pool.weights = weights.version, weights
+                pool.prober.probe = probe if probe is not None and probe.version == weights.version else None
                 self._awaiting_weights = False  # engines that miss it now get it when they come back
                 if self._gate is not None:
                     self._gate.on_version(weights.version, consumed, new_groups)  # the learner's counts, if sent
@@ -271,6 +274,7 @@ class RolloutManager:
             "perf/gen_tokens_per_s": (c["tokens_generated"] - tokens0) / dt,
             "perf/engine_idle_frac": max(0.0, 1.0 - (busy - busy0) / (dt * len(self._pool.slots))),
             "perf/weight_update_s": self._weight_update_s,
+            **self._pool.prober.metrics,  # rollout/probe_*: the latest check of each engine
         })
         self._window = (now, busy, c["samples_written"], c["tokens_generated"], c["reward_sum"], c["groups_written"])
         return out

@@ -32,7 +32,7 @@ class NoticeTarget(Protocol):
     pool: Any
 
     async def aupdate_weights(self, weights: WeightVersion, consumed: int | None = None,
-                              new_groups: int | None = None) -> None: ...
+                              new_groups: int | None = None, probe: Any = None) -> None: ...
 
     async def aclean_state(self) -> dict[str, Any]: ...
 
@@ -67,7 +67,8 @@ class LearnerLink:
             if notice is not None:
                 mgr = self._manager
                 if notice.weights is not None:
-                    await mgr.aupdate_weights(notice.weights, consumed=notice.consumed, new_groups=notice.new_groups)
+                    await mgr.aupdate_weights(notice.weights, consumed=notice.consumed, new_groups=notice.new_groups,
+                                              probe=notice.probe)
                 if notice.state_request and notice.state_request != self._state_answered:
                     state = await mgr.aclean_state()
                     try:
@@ -99,5 +100,6 @@ class LearnerLink:
                      # what a learner waiting for data names (trainer/publication.py, rollout_report)
                      "rollout/engines_up": float(mgr.pool.engines_up()),
                      "rollout/inflight_groups": float(mgr.inflight_groups),
+                     **mgr.pool.prober.metrics,  # rollout/probe_*: figures of each engine's last check
                      **extra},
         ))

@@ -145,6 +145,21 @@ class SGLangClient:
     async def amodel_info(self) -> dict[str, Any]:
         return await self.arequest("GET", "/model_info")
 
+    async def aprompt_logprobs(self, ids: list[int], timeout_s: float | None = None) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1, untempered, as SGLang 0.5.23 answers
+        `logprob_start_len=0` (its first entry is null): the weight probe (`rollout/probe.py`)."""
+        body = {"input_ids": list(ids), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True, "logprob_start_len": 0, "stream": False}
+        data = await self.arequest("POST", "/generate", body, timeout_s=timeout_s, retry_timeouts=False)
+        try:
+            entries = data["meta_info"]["input_token_logprobs"]
+            lps = [float(e[0]) for e in entries[1:]]
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise ValueError(f"{self.url}/generate: no prompt log-probs in the answer ({exc!r})") from None
+        if len(lps) != len(ids) - 1:
+            raise ValueError(f"{self.url}/generate: {len(lps) + 1} prompt log-prob entries for {len(ids)} tokens")
+        return lps
+
     async def aflush_cache(self) -> None:
         await self.arequest("POST", "/flush_cache")
 

@@ -20,6 +20,7 @@ METRICS_BEFORE = {f"rollout/{k}" for k in (
     "episode_retries", "requests", "requeued_requests", "aborted_requests", "restarted_samples",
     "tokens_generated", "reward_sum", "engine_failures", "engine_restarts", "engine_recoveries",
     "weight_updates", "weight_update_s_total", "weight_sync_fallbacks", "requests_refused",
+    "probe_checks", "probe_failures", "probe_dropped_samples",
     "version", "engines_up", "inflight_groups", "inflight_requests", "reward_mean")} | {
     f"perf/{k}" for k in ("samples_per_s", "groups_per_s", "gen_tokens_per_s", "engine_idle_frac", "weight_update_s")}
 

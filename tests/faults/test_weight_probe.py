@@ -1,0 +1,129 @@
+"""The weight probe on real darl-engine processes: every version an engine loads is checked
+against the learner's log-probs of the probe before the engine gets a request.
+
+- an engine that loads a corrupted tensor (one projection's rows reversed: finite, of the right
+  shape, it passes every file check) fails the probe of that version, is marked down and
+  restarted; with the right weights after the restart it comes back at that version;
+- an engine that loads the wrong tensor again after its restart stops the run with
+  `ProbeFailed` naming the version, the engine and the figures;
+- the exact case (fp32 engine, the learner's weights) stays silent: its figures sit under 1e-5.
+The learner here is transformers on the published folder (fp32), the naive reference; the
+engines are real `darl-engine` processes on 127.0.0.1, driven through `EnginePool` and
+`SGLangClient` as the manager drives them. What it is not: the learner's side (unit-tested in
+tests/unit/channel/test_weight_probe.py) or a distributed update (not covered here yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_darl.channel.weight_probe import WeightProbe, probe_ids
+from megatron_darl.config.rollout import RolloutConfig
+from megatron_darl.rollout.engine_pool import EnginePool, Signal
+from megatron_darl.rollout.probe import ProbeFailed
+from megatron_darl.rollout.sglang_client import SGLangClient
+from megatron_darl.types import WeightVersion
+from tests.helpers.engines import running_engines, save_wide
+
+
+class CorruptLoader(SGLangClient):
+    """An engine client whose engine loads `bad` whenever it is told to load `good`: a weight
+    sync that delivers a wrong but loadable tensor."""
+
+    def __init__(self, url: str, good: str, bad: str):
+        super().__init__(url, timeout_s=60.0, max_retries=0)
+        self.good, self.bad = good, bad
+
+    async def aupdate_weights(self, weights: WeightVersion) -> None:
+        if weights.location == self.good:
+            weights = WeightVersion(version=weights.version, weight_sync=weights.weight_sync, location=self.bad)
+        await super().aupdate_weights(weights)
+
+
+class Restarter:
+    """Gives the restarted engine a client that loads right (`heal`) or wrong again."""
+
+    def __init__(self, heal: bool, good: str):
+        self.heal, self.good, self.calls = heal, good, 0
+
+    async def arestart(self, index, engine):
+        self.calls += 1
+        if self.heal:
+            return SGLangClient(engine.url, timeout_s=60.0, max_retries=0)
+        return CorruptLoader(engine.url, self.good, engine.bad)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weight-probe")
+    save_wide(root / "v0", seed=0)
+    model = save_wide(root / "v1", seed=1)
+    shutil.copytree(root / "v1", root / "v1bad")
+    path = next((root / "v1bad").glob("*.safetensors"))
+    tensors = load_file(path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    ids = probe_ids(256, model.config.vocab_size)
+    with torch.no_grad():  # the learner: fp32, the published weights
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    probe = WeightProbe(version=1, ids=ids, logprobs=lps.tolist())
+    with running_engines([(root / "v0", None), (root / "v0", None)], root, startup_s=90) as started:
+        yield {"root": root, "urls": [u for u, _ in started], "probe": probe}
+
+
+def _pool(world, heal: bool) -> tuple[EnginePool, Restarter, WeightVersion]:
+    good, bad = str(world["root"] / "v1"), str(world["root"] / "v1bad")
+    engines = [SGLangClient(world["urls"][0], timeout_s=60.0, max_retries=0),
+               CorruptLoader(world["urls"][1], good, bad)]
+    restarter = Restarter(heal, good)
+    cfg = RolloutConfig(probe_tokens=256, request_timeout_s=60.0)
+    pool = EnginePool(cfg, engines, signal=Signal(), restarter=restarter, restart_grace_s=0.0)
+    return pool, restarter, WeightVersion(version=1, weight_sync="disk", location=good)
+
+
+async def _apush(pool: EnginePool, weights: WeightVersion, probe: WeightProbe) -> None:
+    async with pool.update_lock:
+        async with pool.apaused() as live:
+            pool.version, pool.weights, pool.prober.probe = weights.version, weights, probe
+            await pool.apush(weights, live)
+
+
+def test_a_corrupted_tensor_is_caught_within_its_version_and_the_restart_heals_it(world):
+    async def go():
+        pool, restarter, w1 = _pool(world, heal=True)
+        await _apush(pool, w1, world["probe"])
+        m = dict(pool.prober.metrics)
+        right, wrong = pool.slots
+        assert right.up and right.version == 1 and not wrong.up and wrong.restart_wanted
+        assert pool.counts["probe_checks"] == 2 and pool.counts["probe_failures"] == 1
+        assert m["rollout/probe_max_abs/engine0"] < 1e-5, m  # the exact case: silent
+        assert m["rollout/probe_max_abs/engine1"] > 2.0 and m["rollout/probe_kl/engine1"] > 0.1, m
+        await pool._arevive(wrong)  # the health loop's round: a new process, the current weights
+        assert restarter.calls == 1 and wrong.up and wrong.version == 1 and not wrong.restart_wanted
+        assert pool.prober.metrics["rollout/probe_max_abs/engine1"] < 1e-5
+        assert pool.counts["probe_checks"] == 3 and pool.counts["probe_failures"] == 1
+        for s in pool.slots:
+            await s.engine.aclose()
+    asyncio.run(go())
+
+
+def test_a_second_failure_of_the_version_stops_the_run_naming_it(world):
+    async def go():
+        pool, restarter, w1 = _pool(world, heal=False)
+        await _apush(pool, w1, world["probe"])
+        wrong = pool.slots[1]
+        with pytest.raises(ProbeFailed) as err:
+            await pool._arevive(wrong)
+        msg = str(err.value)
+        assert "engine 1" in msg and world["urls"][1] in msg and "version 1 twice" in msg and "max_abs" in msg, msg
+        assert restarter.calls == 1 and not wrong.up
+        for s in pool.slots:
+            await s.engine.aclose()
+    asyncio.run(go())
