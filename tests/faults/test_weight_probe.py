@@ -6,11 +6,13 @@ against the learner's log-probs of the probe before the engine gets a request.
   restarted; with the right weights after the restart it comes back at that version;
 - an engine that loads the wrong tensor again after its restart stops the run with
   `ProbeFailed` naming the version, the engine and the figures;
+- a distributed update (the learner's own `WeightSender` over gloo) with one wrong bucket is
+  caught the same way (v_proj rows reversed in the second bucket: max |delta| 8.5);
 - the exact case (fp32 engine, the learner's weights) stays silent: its figures sit under 1e-5.
 The learner here is transformers on the published folder (fp32), the naive reference; the
 engines are real `darl-engine` processes on 127.0.0.1, driven through `EnginePool` and
 `SGLangClient` as the manager drives them. What it is not: the learner's side (unit-tested in
-tests/unit/channel/test_weight_probe.py) or a distributed update (not covered here yet).
+tests/unit/channel/test_weight_probe.py) or the manager's wiring (tests/unit/rollout/test_probe_link.py).
 """
 
 from __future__ import annotations
@@ -127,3 +129,41 @@ def test_a_second_failure_of_the_version_stops_the_run_naming_it(world):
         for s in pool.slots:
             await s.engine.aclose()
     asyncio.run(go())
+
+
+def test_a_distributed_update_with_one_wrong_bucket_is_caught(world):
+    """The learner's own broadcast (`WeightSender`, gloo) of a version whose second bucket holds
+    a wrong tensor: the engine loads every bucket, the probe fails. Last: it leaves engine 0 on
+    wrong weights (and versions only move forward, hence version 3)."""
+    import json
+
+    from megatron_darl.trainer.weight_sender import WeightSender
+
+    root = world["root"]
+    tensors = load_file(next((root / "v1").glob("*.safetensors")))
+    names = sorted(tensors)
+    half = len(names) // 2
+    wrong = next(n for n in names[half:] if tensors[n].dim() == 2)
+    tensors[wrong] = tensors[wrong].flip(0).contiguous()
+    buckets = [[(n, tensors[n]) for n in names[:half]], [(n, tensors[n]) for n in names[half:]]]
+    config = json.loads((root / "v1" / "config.json").read_text())
+    notice = root / "dist-notice.json"
+    sender = WeightSender(str(notice), "127.0.0.1", str(root / "fallback"), (config, [str(root / "v1")]),
+                          backend="gloo", timeout_s=20.0)
+    sender.stage(3, buckets)
+    probe = WeightProbe(version=3, ids=world["probe"].ids, logprobs=world["probe"].logprobs)
+
+    async def go():
+        cfg = RolloutConfig(probe_tokens=256, request_timeout_s=60.0, weight_sync="distributed")
+        pool = EnginePool(cfg, [SGLangClient(world["urls"][0], timeout_s=60.0, max_retries=0)], signal=Signal(),
+                          notice_path=str(notice))
+        await _apush(pool, WeightVersion(version=3, weight_sync="distributed", location="127.0.0.1#v3"), probe)
+        slot = pool.slots[0]
+        assert not slot.up and slot.restart_wanted and pool.counts["probe_failures"] == 1, (wrong, pool.counts)
+        assert pool.prober.metrics["rollout/probe_max_abs/engine0"] > 2.0, pool.prober.metrics
+        await slot.engine.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        sender.close()
