@@ -354,6 +354,10 @@ class EnginePool:
             self.count("probe_checks")
             self.count("probe_failures")
             raise
+        except Exception as exc:  # the engine did not answer: down, as after any failed call
+            if slot.up:
+                self.mark_down(slot, f"weight probe request failed: {exc!r}")
+            return False
         if result is None:
             return True
         self.count("probe_checks")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 from megatron_darl.channel.weight_probe import WeightProbe, probe_figures
@@ -50,6 +51,7 @@ class ProbeChecker:
         ask = getattr(slot.engine, "aprompt_logprobs", None)
         if probe is None or ask is None or slot.version != probe.version:
             return None
+        t0 = time.perf_counter()
         try:
             got = await ask(probe.ids, timeout_s=self.timeout_s)
             figures = probe_figures(got, probe.logprobs)
@@ -58,6 +60,7 @@ class ProbeChecker:
             figures = {"max_abs": math.inf, "mean_abs": math.inf, "kl": math.inf}
         ok = figures["max_abs"] <= self.threshold
         e = slot.index
+        self.metrics["rollout/probe_s"] = time.perf_counter() - t0  # the last check's, inside a weight update
         self.metrics.update({f"rollout/probe_{k}/engine{e}": v for k, v in figures.items()})
         self.metrics[f"rollout/probe_version/engine{e}"] = float(probe.version)
         worst = max(v for k, v in self.metrics.items() if k.startswith("rollout/probe_max_abs/"))

@@ -76,6 +76,7 @@ def train_loop(t: Trainer) -> int:
         if stop or t.cfg.checkpoint.every_steps and step % t.cfg.checkpoint.every_steps == 0:
             t.checkpointer.save(step)  # 5. the loop stops only after a save
         metrics.update({"perf/step_s": time.perf_counter() - t0, "perf/publish_s": t.publisher.last_publish_s,
+                        "perf/probe_learner_s": getattr(t.publisher, "last_probe_s", 0.0),  # the probe's forward
                         "perf/pace_s": pace_s, "perf/wait_data_s": t.feed.wait_s if main else 0.0,
                         "train/version": step})
         if t.evaluator is not None:  # held-out accuracy (eval.every_steps / every_samples)

@@ -150,7 +150,10 @@ class Publisher:
         import numpy as np
 
         t0 = time.perf_counter()
-        ids = probe_ids(self.probe_tokens, int(self.learner.vocab_size))
+        context = (getattr(self.learner, "hf_config", None) or {}).get("max_position_embeddings")
+        # the engine also generates one token: probe + 1 must fit the context (else a 400)
+        n = min(self.probe_tokens, int(context) - 1) if context else self.probe_tokens
+        ids = probe_ids(n, int(self.learner.vocab_size))
         n = len(ids)
         batch = TrainBatch(tokens=np.asarray([ids], dtype=np.int64), lengths=np.asarray([n], dtype=np.int64),
                            loss_mask=np.zeros((1, n), np.float32), advantages=np.zeros(1, np.float32),

@@ -95,3 +95,13 @@ def test_probe_figures_against_a_naive_computation():
     assert probe_figures([float("nan"), -1, -1, -1], learner)["max_abs"] == math.inf
     with pytest.raises(ValueError, match="the engine answered 3"):
         probe_figures(engine[:3], learner)
+
+
+def test_the_probe_fits_the_context_with_the_token_the_engine_generates(tmp_path):
+    """An engine refuses a prompt as long as the context (it generates one token after it)."""
+    learner = BigramLearner()
+    learner.hf_config = {"max_position_embeddings": 40}
+    pub = Publisher(learner, str(tmp_path / "w"), str(tmp_path / "n.json"), str(tmp_path / "s.json"), "shm",
+                    probe_tokens=64)
+    probe = pub.score_probe(1)
+    assert len(probe.ids) == 39 and probe.ids == probe_ids(39, VOCAB) and len(probe.logprobs) == 38
