@@ -8,7 +8,8 @@ against the learner's log-probs of the probe before the engine gets a request.
   `ProbeFailed` naming the version, the engine and the figures;
 - a distributed update (the learner's own `WeightSender` over gloo) with one wrong bucket is
   caught the same way (v_proj rows reversed in the second bucket: max |delta| 8.5);
-- the exact case (fp32 engine, the learner's weights) stays silent: its figures sit under 1e-5.
+- the exact case (fp32 engine, the learner's weights) stays silent: its figures sit under 1e-5;
+  a bf16 engine with the right weights (max |delta| 0.14, mean 0.028) passes bf16's threshold.
 The learner here is transformers on the published folder (fp32), the naive reference; the
 engines are real `darl-engine` processes on 127.0.0.1, driven through `EnginePool` and
 `SGLangClient` as the manager drives them. What it is not: the learner's side (unit-tested in
@@ -167,3 +168,21 @@ def test_a_distributed_update_with_one_wrong_bucket_is_caught(world):
         asyncio.run(go())
     finally:
         sender.close()
+
+
+def test_a_bf16_engine_with_the_right_weights_passes_its_dtype_threshold(world, tmp_path):
+    """The bf16 default (2.0) leaves room for bf16's own noise, which the fp32 one (1e-3) would
+    not: the same weights, served in bfloat16, differ visibly but pass."""
+    root = world["root"]
+    with running_engines([(root / "v0", None)], tmp_path, startup_s=90, extra_args=("--dtype", "bfloat16")) as s:
+        async def go():
+            cfg = RolloutConfig(probe_tokens=256, request_timeout_s=60.0, engine_dtype="bfloat16")
+            pool = EnginePool(cfg, [SGLangClient(s[0][0], timeout_s=60.0, max_retries=0)], signal=Signal())
+            await _apush(pool, WeightVersion(version=1, weight_sync="disk", location=str(root / "v1")),
+                         world["probe"])
+            await pool.slots[0].engine.aclose()
+            return pool
+        pool = asyncio.run(go())
+    m = pool.prober.metrics
+    assert pool.prober.threshold == 2.0 and pool.slots[0].up and pool.counts["probe_failures"] == 0, m
+    assert 1e-3 < m["rollout/probe_max_abs/engine0"] < 1.0, m  # fails fp32's threshold, passes bf16's
