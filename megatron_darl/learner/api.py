@@ -26,6 +26,8 @@ class Learner(Protocol):
 
     pmis: str  # D-ARL's beta_k: algo.pmis_beta, or "tokens"
     balance_mode: str | None  # pmis="balance": "exact" (version snapshots) | "interpolate"; else None
+    vocab_size: int  # the model's vocabulary: the weight probe draws its token ids below it
+    temperature: float  # log-probs are of logits / temperature; the weight probe scores at 1.0
 
     @property
     def is_main(self) -> bool: ...
