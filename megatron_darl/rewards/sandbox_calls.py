@@ -45,15 +45,10 @@ EXIT_GRACE_S = 1.0  # after the last call, how long the program gets to exit by 
 MAX_SAME_HASH = 32
 _TAGS = ("tuple", "dict", "set", "frozenset", "bytes", "complex")
 
-# The program the sandbox runs: the candidate's code, then a loop that serves calls. Its channel
-# is a private copy of stdout; what the candidate prints goes to stderr. Whatever it writes on the
-# channel is only data to the trusted side, which decodes it into builtin values.
-SERVER = r'''
-def _serve():
-    import json, os, sys
-    channel = os.dup(1)
-    os.dup2(2, 1)
-    requests = sys.stdin.buffer
+# The in-sandbox encoder, one copy for every program that answers over a channel (SERVER here,
+# the checker of sandbox_relay.py): builtin values to JSON-able data, tagged as `decode` reads
+# them. `WHAT` opens its refusal of any other type (`value_encoder`).
+_ENCODER = r'''
     def encode(v, depth=0):
         if depth > 100:
             raise ValueError("value nested too deep")
@@ -70,7 +65,25 @@ def _serve():
             return {"bytes": v.hex()}
         if t is complex:
             return {"complex": [v.real, v.imag]}
-        raise TypeError(f"the function returned a {t.__name__}, not a builtin value")
+        raise TypeError(f"WHAT a {t.__name__}, not a builtin value")
+'''
+
+
+def value_encoder(what: str) -> str:
+    """The in-sandbox `encode`, at one indent, refusing a non-builtin value as "`what` a <type>"."""
+    return _ENCODER.strip("\n").replace("WHAT", what)
+
+
+# The program the sandbox runs: the candidate's code, then a loop that serves calls. Its channel
+# is a private copy of stdout; what the candidate prints goes to stderr. Whatever it writes on the
+# channel is only data to the trusted side, which decodes it into builtin values.
+SERVER = r'''
+def _serve():
+    import json, os, sys
+    channel = os.dup(1)
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+ENCODER
     def decode(v):
         if type(v) is list:
             return [decode(x) for x in v]
@@ -191,8 +204,9 @@ def _refuse_hash_flood(keys) -> None:
 def server_program(source: str, name: str, class_first: bool = False) -> str:
     """The sandboxed program: `source`, then the loop that serves calls of `name`: the method of
     a `Solution()` where the source defines that class and (unless `class_first`) no `name`."""
-    values = {"SOURCE": repr(source), "NAME": repr(name), "CLASS_FIRST": repr(bool(class_first))}
-    return re.sub(r"\b(SOURCE|NAME|CLASS_FIRST)\b", lambda m: values[m.group(1)], SERVER)  # one pass
+    values = {"SOURCE": repr(source), "NAME": repr(name), "CLASS_FIRST": repr(bool(class_first)),
+              "ENCODER": value_encoder("the function returned")}
+    return re.sub(r"\b(SOURCE|NAME|CLASS_FIRST|ENCODER)\b", lambda m: values[m.group(1)], SERVER)  # one pass
 
 
 class SandboxedFunction:

@@ -33,7 +33,13 @@ from megatron_darl.rewards.sandbox import (
     start_launcher,
     stop_launcher,
 )
-from megatron_darl.rewards.sandbox_calls import EXIT_GRACE_S, MAX_SAME_HASH, printable, server_program
+from megatron_darl.rewards.sandbox_calls import (
+    EXIT_GRACE_S,
+    MAX_SAME_HASH,
+    printable,
+    server_program,
+    value_encoder,
+)
 
 # The checker: the prompt (helpers such as `encode_cyclic`; a bare signature gets a body) and the
 # test, calling a proxy. Its channel is a private copy of stdout; the test's prints go to stderr.
@@ -43,23 +49,7 @@ def _check():
     channel = os.dup(1)
     os.dup2(2, 1)
     replies = sys.stdin.buffer
-    def encode(v, depth=0):
-        if depth > 100:
-            raise ValueError("value nested too deep")
-        t = type(v)
-        if v is None or t in (bool, int, float, str):
-            return v
-        if t is list:
-            return [encode(x, depth + 1) for x in v]
-        if t in (tuple, set, frozenset):
-            return {t.__name__: [encode(x, depth + 1) for x in v]}
-        if t is dict:
-            return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
-        if t is bytes:
-            return {"bytes": v.hex()}
-        if t is complex:
-            return {"complex": [v.real, v.imag]}
-        raise TypeError(f"the test passed a {t.__name__}, not a builtin value")
+ENCODER
     def flood(keys):
         counts = {}
         for k in keys:
@@ -132,8 +122,9 @@ def checker_program(prompt: str, test: str, entry: str) -> str:
     """The checker's source for one problem (values substituted in one pass)."""
     last_def = re.search(r"^([ \t]*)def\s[^\n]*$(?![\s\S]*^[ \t]*def\s)", prompt, re.MULTILINE)
     values = {"PROMPT": repr(prompt), "TEST": repr(test), "ENTRY": repr(entry),
-              "MAX_SAME_HASH": repr(MAX_SAME_HASH), "BODY_INDENT": repr(last_def.group(1) if last_def else "")}
-    return re.sub(r"\b(PROMPT|TEST|ENTRY|MAX_SAME_HASH|BODY_INDENT)\b", lambda m: values[m.group(1)], CHECKER)
+              "MAX_SAME_HASH": repr(MAX_SAME_HASH), "BODY_INDENT": repr(last_def.group(1) if last_def else ""),
+              "ENCODER": value_encoder("the test passed")}
+    return re.sub(r"\b(PROMPT|TEST|ENTRY|MAX_SAME_HASH|BODY_INDENT|ENCODER)\b", lambda m: values[m.group(1)], CHECKER)
 
 
 class _Side:
