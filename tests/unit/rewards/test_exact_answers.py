@@ -20,7 +20,7 @@ from megatron_darl.config.rewards import RewardConfig
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rewards.code_grader import outputs_match, values_match
 from megatron_darl.rewards.pool import RewardPool
-from tests.helpers.sandbox import SandboxMode, needs_sandbox
+from tests.helpers.sandbox import needs_sandbox
 
 MOD = 998244353
 
@@ -60,13 +60,6 @@ PROBLEMS = {
         "def f(n):\n    return n * (n + 1) / 2\n"),
 }
 STDIO_MAIN = "import sys\nprint(f(*map(int, sys.stdin.read().split())))\n"
-
-
-@pytest.fixture(params=["namespaces", "userns"])
-def sandbox(request) -> SandboxMode:
-    mode = SandboxMode(request.param)
-    mode.check()  # the path this process cannot take is skipped, naming the test that takes it
-    return mode
 
 
 def _items(body: str, args: tuple, expected, fmt: str) -> RewardInput:

@@ -27,7 +27,7 @@ from megatron_darl.rewards import sandbox_relay
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rewards.pool import RewardPool
 from tests.helpers import REPO, repo_env
-from tests.helpers.sandbox import SandboxMode, needs_sandbox
+from tests.helpers.sandbox import needs_sandbox
 
 pytestmark = needs_sandbox
 WALL_S = 4.0
@@ -51,13 +51,6 @@ except OSError:
 time.sleep(60)
 """
 BIG_ARG_TEST = "def check(candidate):\n    assert candidate('x' * 1000000) == 1\n"
-
-
-@pytest.fixture(params=["namespaces", "userns"])
-def sandbox(request) -> SandboxMode:
-    mode = SandboxMode(request.param)
-    mode.check()  # the path this process cannot take is skipped, naming the test that takes it
-    return mode
 
 
 def _humaneval(body: str, test: str = "def check(candidate):\n    assert candidate(2) == 4\n",

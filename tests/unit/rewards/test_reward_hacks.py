@@ -19,7 +19,7 @@ import pytest
 from megatron_darl.config.rewards import RewardConfig
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rewards.pool import RewardPool
-from tests.helpers.sandbox import SandboxMode, needs_sandbox
+from tests.helpers.sandbox import needs_sandbox
 
 pytestmark = needs_sandbox
 
@@ -163,13 +163,6 @@ TRICKS = {"agreeing_object": AGREEING, "int_str_list_subclasses": SUBCLASSES, "e
           "patched_builtins": PATCHED_BUILTINS, "settrace_swaps_check": SETTRACE, "rereads_stdin": STDIN,
           "walks_frames": FRAMES, "parses_tests_from_its_file": PARSE_TESTS,
           "runs_canonical_from_package_data": CANONICAL}
-
-
-@pytest.fixture(params=["namespaces", "userns"])
-def sandbox(request) -> SandboxMode:
-    mode = SandboxMode(request.param)
-    mode.check()  # the path this process cannot take is skipped, naming the test that takes it
-    return mode
 
 
 def _scores(completion: str, every: int = 1) -> list[tuple[str, float, str]]:

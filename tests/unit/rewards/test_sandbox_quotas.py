@@ -29,7 +29,7 @@ from megatron_darl.rewards import sandbox_cgroup
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rewards.pool import RewardPool
 from tests.helpers import REPO, repo_env
-from tests.helpers.sandbox import SandboxMode, needs_sandbox
+from tests.helpers.sandbox import needs_sandbox
 from tests.unit.rewards.test_exact_answers import PROBLEMS, _items
 
 pytestmark = needs_sandbox
@@ -97,13 +97,6 @@ for i in range(4):
 time.sleep(0.5)
 print(held)
 """
-
-
-@pytest.fixture(params=["namespaces", "userns"])
-def sandbox(request) -> SandboxMode:
-    mode = SandboxMode(request.param)
-    mode.check()  # the path this process cannot take is skipped, naming the test that takes it
-    return mode
 
 
 def _attack(program: str) -> RewardInput:
