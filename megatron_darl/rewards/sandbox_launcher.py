@@ -159,7 +159,11 @@ def _exec_program(spec: dict, scratch: str, isolation: list[str], libc) -> None:
     if "mount" not in isolation and _closed_parent(os.path.realpath(py)) is not None:
         py = spec["fallback_python"]  # our interpreter is out of the uid's reach
     flags = ["-I", "-B"] if spec.get("site", True) else ["-I", "-B", "-S"]  # -S: the checker, stdlib only
-    os.execve(py, [py, *flags, "-c", prelude, "main.py"], env)
+    try:
+        os.execve(py, [py, *flags, "-c", prelude, "main.py"], env)
+    except PermissionError as e:  # name the folder, not only errno 13
+        raise PermissionError(f"cannot execute {py} as uid {os.getuid()}: {_closed_parent(py) or py} is "
+                              "closed to other users (chmod o+rx it)") from e
 
 
 def _wait_status(pid: int) -> int:
