@@ -10,6 +10,8 @@ from a folder, or by the learner's broadcast (`weight_push.py`). An engine whose
 transfer failed may hold part of a version (SGLang loads each bucket as it arrives): it is left
 paused, gets no requests, and the health loop has it load a whole version before it resumes.
 It keeps its own counters (`POOL_COUNTERS`), which the manager reports and saves with its own.
+An engine's state is its `EngineSlot` (`engine_slot.py`); `Signal`, the wake-up the pool and the
+manager share, and the bounded await are `waits.py`.
 What it is not: admission, episodes, notices or the rollout state (`manager.py`), nor an engine
 client (`api.RolloutEngine`, `sglang_client.py`).
 """
@@ -20,15 +22,16 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from megatron_darl.channel.weight_transfer import TransferClient, group_tag
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.api import RolloutEngine
+from megatron_darl.rollout.engine_slot import EngineSlot
 from megatron_darl.rollout.probe import ProbeChecker, ProbeFailed
+from megatron_darl.rollout.waits import Signal, await_within
 from megatron_darl.rollout.weight_push import apush_distributed
 from megatron_darl.rollout.workflow import SampleState
 from megatron_darl.types import GenerateRequest, GenerateResponse, SamplingParams, WeightVersion
@@ -57,73 +60,6 @@ class EngineRestarter(Protocol):
     """Replaces a dead engine (embedded engines: a new process); returns its new client."""
 
     async def arestart(self, index: int, engine: RolloutEngine) -> RolloutEngine: ...
-
-
-class Signal:
-    """Wake waiters when state changed; they re-check their own predicate. `asyncio.wait` on a
-    shared future, not `wait_for`: on 3.11 that can swallow a cancellation (a task never stops)."""
-
-    def __init__(self) -> None:
-        self._fut: asyncio.Future | None = None
-
-    def notify(self) -> None:
-        if self._fut is not None and not self._fut.done():
-            self._fut.set_result(None)
-        self._fut = None
-
-    async def wait_for(self, pred: Callable[[], bool], recheck_s: float = 0.5) -> None:
-        while not pred():
-            if self._fut is None:
-                self._fut = asyncio.get_running_loop().create_future()
-            # periodic re-check: a gate may open for reasons we are not told about
-            await asyncio.wait({self._fut}, timeout=recheck_s)
-
-
-async def _await_within(awaitable: Any, timeout_s: float) -> Any:
-    """`await` with a time limit (TimeoutError), cancellation-safe on Python 3.11 (see Signal)."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise TimeoutError(f"no answer within {timeout_s} s")
-    return task.result()
-
-
-@dataclass(eq=False)  # slots compare by identity
-class EngineSlot:
-    """One engine as the dispatcher sees it."""
-
-    index: int
-    engine: RolloutEngine
-    version: int
-    up: bool = True
-    inflight: dict[str, asyncio.Future] = field(default_factory=dict)
-    busy_s: float = 0.0  # time with >= 1 request in flight (for the idle fraction)
-    busy_since: float | None = None
-    last_restart: float = -math.inf
-    incarnation: int = 0  # +1 at every down: a distributed weight update then uses a new group
-    # a distributed version failed on it: SGLang loads each bucket as it arrives, so it may hold a
-    # mix of versions; it is neither resumed nor given requests until it loaded a whole version
-    partial: bool = False
-    restart_wanted: bool = False  # it failed the weight probe: a new process, not a reload, brings it back
-
-    def add(self, rid: str, fut: asyncio.Future, now: float) -> None:
-        if not self.inflight:
-            self.busy_since = now
-        self.inflight[rid] = fut
-
-    def remove(self, rid: str, now: float) -> None:
-        self.inflight.pop(rid, None)
-        if not self.inflight and self.busy_since is not None:
-            self.busy_s += now - self.busy_since
-            self.busy_since = None
-
-    def busy_total(self, now: float) -> float:
-        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
 
 
 class EnginePool:
@@ -266,7 +202,7 @@ class EnginePool:
         """A control call (pause/update/resume/health) bounded by the request timeout; False
         (the engine marked down) when it failed or hung."""
         try:
-            result = await _await_within(make(), self.config.request_timeout_s)
+            result = await await_within(make(), self.config.request_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -384,7 +320,7 @@ class EnginePool:
 
     async def _ahealthy(self, slot: EngineSlot) -> bool:
         try:
-            return bool(await _await_within(slot.engine.ahealth(), self.config.request_timeout_s))
+            return bool(await await_within(slot.engine.ahealth(), self.config.request_timeout_s))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -395,7 +331,7 @@ class EnginePool:
         failed update must not stay so (a paused SGLang server also answers its health route
         503, so it would never look healthy again). Failures mean it is really gone: ignored."""
         try:  # bounded: a dead engine must not hold up a weight update or the health loop long
-            await _await_within(slot.engine.aresume(), min(self.config.request_timeout_s, 5.0))
+            await await_within(slot.engine.aresume(), min(self.config.request_timeout_s, 5.0))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
