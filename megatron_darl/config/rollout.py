@@ -54,7 +54,9 @@ class RolloutConfig:
     # weight probe: after each version loads, every engine scores these many fixed tokens and the
     # manager compares with the learner's log-probs of them (0: off). An engine whose max |delta|
     # passes `probe_max_abs` is restarted; a second failure of the version stops the run.
-    probe_tokens: int = 0
+    # On by default: one forward of <= 256 tokens per version, under 1% of a demo step
+    # (bench/engine_dtype.py, docs/measurements.md); capped at the model's context - 1.
+    probe_tokens: int = 256
     # None: by dtype (`probe_threshold`). Measured on a 256-token probe (test_probe_signal.py):
     # fp32 engine 6e-6, bf16 0.29, wrong-but-loadable weights >= 11.6; so 1e-3 for a float32
     # darl-engine (150x over its noise) and 2.0 otherwise (7x over bf16's, 5x under the smallest
