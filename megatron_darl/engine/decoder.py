@@ -7,7 +7,8 @@ KV is prefilled), decode together in one batched step, and leave when finished; 
 marks every row for re-prefill, so in-flight sequences continue under the new weights with their
 KV recomputed. The sampler is `sampling.py`; a row whose logits or sampled log-prob is not
 finite fails (`Sequence.error`) instead of reaching an answer. The engine dtype (`ENGINE_DTYPES`:
-float32, the default, bfloat16 or float16; `rollout.engine_dtype`) is that of the weights,
+float32, the default, bfloat16, float16, or fp8_e4m3: bf16 over e4m3-rounded projection weights,
+`fp8.py`; `rollout.engine_dtype`) is that of the weights,
 activations and KV cache, on CPU and GPU alike: weights are read (and received) as fp32 and cast
 when the model is built; RMSNorm statistics are taken in fp32 and logits are returned in fp32
 for the sampler, as transformers and SGLang do; the learner keeps its own dtype, so a bf16
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_darl.engine.causal_lm import CausalLM, KVCache
+from megatron_darl.engine.fp8 import quantise
 
 # re-exported: weight_group.py, server.py and tests import IGNORED_SUFFIXES, load_hf_tensors, WeightLoadError here
 from megatron_darl.engine.hf_folder import IGNORED_SUFFIXES, ModelSpec, load_hf_tensors  # noqa: F401
@@ -35,9 +37,11 @@ from megatron_darl.engine.sampling import sample
 from megatron_darl.engine.weight_files import WeightLoadError  # noqa: F401
 from megatron_darl.types import SamplingParams
 
-# the engine dtypes `--dtype` / `rollout.engine_dtype` accept
+# the engine dtypes `--dtype` / `rollout.engine_dtype` accept, and what each computes in;
+# fp8_e4m3: bf16 arithmetic over projection weights rounded to e4m3 (`fp8.py`)
 ENGINE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                         "float16": torch.float16}
+                                         "float16": torch.float16, "fp8_e4m3": torch.bfloat16}
+FP8_WEIGHTS = ("fp8_e4m3",)
 
 
 @dataclass
@@ -85,8 +89,9 @@ class Decoder:
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"engine dtype {dtype!r}: allowed are {', '.join(ENGINE_DTYPES)}")
         self.device, self.dtype = torch.device(device), ENGINE_DTYPES[dtype]
+        self.dtype_name, self.fp8 = dtype, dtype in FP8_WEIGHTS  # the setting (fp8_e4m3 computes in bf16)
         self.spec = ModelSpec.from_dir(model_dir)
-        self.model = CausalLM(self.spec, load_hf_tensors(model_dir, self.spec), self.device, self.dtype)
+        self.model = self._build(load_hf_tensors(model_dir, self.spec))
         self.max_batch = max_batch
         self.cache = KVCache(self.spec, max_batch, self.device, dtype=self.dtype)
         self.rows: list[Sequence] = []
@@ -162,9 +167,13 @@ class Decoder:
     def use_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Swap in checked HF-named fp32 tensors (cast to the engine dtype); running sequences
         re-prefill under them."""
-        self.model = CausalLM(self.spec, tensors, self.device, self.dtype)
+        self.model = self._build(tensors)
         for s in self.rows:
             s.needs_prefill = True
+
+    def _build(self, tensors: dict[str, torch.Tensor]) -> CausalLM:
+        """The forward over fp32 `tensors`, FP8-rounded first for an fp8 engine, cast to the dtype."""
+        return CausalLM(self.spec, quantise(tensors) if self.fp8 else tensors, self.device, self.dtype)
 
     def _prefill(self) -> None:
         todo = [i for i, s in enumerate(self.rows) if s.needs_prefill and len(s.tokens) > 1]

@@ -295,7 +295,7 @@ class EngineServer(Scheduler):
             "paused": self.paused,
             "weights_incomplete": self.incomplete,  # why decoding is held (part of a broadcast version), or null
             "max_batch": self.decoder.max_batch,
-            "dtype": str(self.decoder.dtype).removeprefix("torch."),  # as SGLang's server_args `dtype`
+            "dtype": self.decoder.dtype_name,  # the --dtype setting, as SGLang's server_args `dtype`
             "num_waiting": len(self.pending),
             "running": [{"rid": s.rid, "generated": len(s.output_ids)} for s in self.decoder.rows],
             "tokens_generated": self.decoder.tokens_generated,
