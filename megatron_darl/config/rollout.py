@@ -22,7 +22,8 @@ class RolloutConfig:
     num_engines: int = 1  # engines the launcher starts (embedded: processes on this node)
     engine_threads: int = 1  # torch threads per embedded engine (1 beats 2 where engines share few cores)
     # embedded engines (backend torch), on CPU and GPU: dtype of their weights, activations and KV
-    # cache (float32 | bfloat16 | float16; logits and log-probs stay fp32). The learner keeps its
+    # cache (float32 | bfloat16 | float16 | fp8_e4m3: bf16 over projection weights rounded to FP8,
+    # engine/fp8.py; logits and log-probs stay fp32). The learner keeps its
     # own, so anything but float32 makes behavior log-probs differ from the learner's on purpose
     # (logged as algo/mismatch_*). SGLang servers choose theirs: --dtype in launch.engine_args
     engine_dtype: str = "float32"
@@ -52,20 +53,23 @@ class RolloutConfig:
     weight_sync: str = "auto"
     weight_sync_timeout_s: float = 120.0  # distributed: bound of every join and broadcast of the weight groups
     # weight probe: after each version loads, every engine scores these many fixed tokens and the
-    # manager compares with the learner's log-probs of them (0: off). An engine whose max |delta|
-    # passes `probe_max_abs` is restarted; a second failure of the version stops the run.
-    # On by default: one forward of <= 256 tokens per version, under 1% of a demo step
+    # manager compares with the learner's log-probs of them (0: off). An engine over a threshold
+    # (`probe_thresholds`) is restarted; a second failure of the version stops the run.
+    # On by default: one forward of <= 256 tokens per version, about 1% of a demo step
     # (bench/engine_dtype.py, docs/measurements.md); capped at the model's context - 1.
     probe_tokens: int = 256
-    # None: by dtype (`probe_threshold`). Measured on a 256-token probe (test_probe_signal.py):
-    # fp32 engine 6e-6, bf16 0.29, wrong-but-loadable weights >= 11.6; so 1e-3 for a float32
-    # darl-engine (150x over its noise) and 2.0 otherwise (7x over bf16's, 5x under the smallest
-    # corruption measured). SGLang servers count as bf16: their dtype is set in engine_args.
+    # an engine fails when its max |delta log-prob| passes `probe_max_abs` or its mean passes
+    # `probe_mean_abs`; None: by dtype. Measured on 255-256 token probes: fp32 max <= 6e-6; bf16
+    # mean 0.008-0.042, max 0.29; fp8_e4m3 mean 0.064-0.25, max up to 2.34 (a demo run at version
+    # 81: rounding alone, heavy-tailed over random tokens); wrong-but-loadable weights mean >= 1.9,
+    # max >= 7.95. So a float32 darl-engine: max 1e-3 (150x over its noise); any other engine
+    # (SGLang servers included): mean 0.5 (2x over fp8's noise, 4x under the smallest corruption), no max
     probe_max_abs: float | None = None
+    probe_mean_abs: float | None = None
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "backend": ("torch", "sglang"),
-        "engine_dtype": ("float32", "bfloat16", "float16"),
+        "engine_dtype": ("float32", "bfloat16", "float16", "fp8_e4m3"),
         "pause_mode": PAUSE_MODES,
         "weight_sync": ("auto", "shm", "disk", "distributed"),
     }
@@ -130,14 +134,16 @@ class RolloutConfig:
                          "servers take theirs from --dtype in launch.engine_args"))
         if self.probe_tokens != 0 and self.probe_tokens < 2:
             errs.append(("probe_tokens", f"{self.probe_tokens}: must be 0 (off) or >= 2 (token 0 has no log-prob)"))
-        if self.probe_max_abs is not None and not self.probe_max_abs > 0:
-            errs.append(("probe_max_abs", f"{self.probe_max_abs}: must be > 0, or null for the dtype's default"))
+        for key in ("probe_max_abs", "probe_mean_abs"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                errs.append((key, f"{getattr(self, key)}: must be > 0, or null for the dtype's default"))
         if self.num_engines < 1 and not self.engine_urls:
             errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
         return errs
 
-    def probe_threshold(self) -> float:
-        """The most max |delta log-prob| an engine's probe may show (see `probe_max_abs`)."""
-        if self.probe_max_abs is not None:
-            return self.probe_max_abs
-        return 1e-3 if self.backend == "torch" and self.engine_dtype == "float32" else 2.0
+    def probe_thresholds(self) -> tuple[float, float]:
+        """(max, mean) |delta log-prob| an engine's probe may show (see `probe_max_abs`)."""
+        exact = self.backend == "torch" and self.engine_dtype == "float32"
+        top = self.probe_max_abs if self.probe_max_abs is not None else (1e-3 if exact else math.inf)
+        mean = self.probe_mean_abs if self.probe_mean_abs is not None else (1e-3 if exact else 0.5)
+        return top, mean

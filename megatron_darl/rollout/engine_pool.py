@@ -111,7 +111,7 @@ class EnginePool:
         self._health_s, self._restart_grace_s = health_interval_s, restart_grace_s
         self._group_tag = group_tag(run_id)  # weight_sync=distributed: new names at every manager start
         self._rid_seq = 0
-        self.prober = ProbeChecker(config.probe_threshold(), config.request_timeout_s)  # `.probe` set with weights
+        self.prober = ProbeChecker(*config.probe_thresholds(), config.request_timeout_s)  # `.probe` set with weights
 
     # ---- state, for metrics and shutdown --------------------------------------------------
 

@@ -19,6 +19,7 @@ tests/unit/channel/test_weight_probe.py) or the manager's wiring (tests/unit/rol
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 
 import pytest
@@ -108,6 +109,7 @@ def test_a_corrupted_tensor_is_caught_within_its_version_and_the_restart_heals_i
         assert pool.counts["probe_checks"] == 2 and pool.counts["probe_failures"] == 1
         assert m["rollout/probe_max_abs/engine0"] < 1e-5, m  # the exact case: silent
         assert m["rollout/probe_max_abs/engine1"] > 2.0 and m["rollout/probe_kl/engine1"] > 0.1, m
+        assert m["rollout/probe_mean_abs/engine1"] > 0.5, m  # a low-precision engine's rule catches it too
         await pool._arevive(wrong)  # the health loop's round: a new process, the current weights
         assert restarter.calls == 1 and wrong.up and wrong.version == 1 and not wrong.restart_wanted
         assert pool.prober.metrics["rollout/probe_max_abs/engine1"] < 1e-5
@@ -162,6 +164,7 @@ def test_a_distributed_update_with_one_wrong_bucket_is_caught(world):
         slot = pool.slots[0]
         assert not slot.up and slot.restart_wanted and pool.counts["probe_failures"] == 1, (wrong, pool.counts)
         assert pool.prober.metrics["rollout/probe_max_abs/engine0"] > 2.0, pool.prober.metrics
+        assert pool.prober.metrics["rollout/probe_mean_abs/engine0"] > 0.5, pool.prober.metrics
         await slot.engine.aclose()
 
     try:
@@ -171,8 +174,8 @@ def test_a_distributed_update_with_one_wrong_bucket_is_caught(world):
 
 
 def test_a_bf16_engine_with_the_right_weights_passes_its_dtype_threshold(world, tmp_path):
-    """The bf16 default (2.0) leaves room for bf16's own noise, which the fp32 one (1e-3) would
-    not: the same weights, served in bfloat16, differ visibly but pass."""
+    """The low-precision default (mean 0.5, no max) leaves room for bf16's own noise, which the
+    fp32 one (max 1e-3) would not: the same weights, served in bfloat16, differ visibly but pass."""
     root = world["root"]
     with running_engines([(root / "v0", None)], tmp_path, startup_s=90, extra_args=("--dtype", "bfloat16")) as s:
         async def go():
@@ -184,5 +187,7 @@ def test_a_bf16_engine_with_the_right_weights_passes_its_dtype_threshold(world, 
             return pool
         pool = asyncio.run(go())
     m = pool.prober.metrics
-    assert pool.prober.threshold == 2.0 and pool.slots[0].up and pool.counts["probe_failures"] == 0, m
+    assert (pool.prober.max_abs, pool.prober.mean_abs) == (math.inf, 0.5), m
+    assert pool.slots[0].up and pool.counts["probe_failures"] == 0, m
     assert 1e-3 < m["rollout/probe_max_abs/engine0"] < 1.0, m  # fails fp32's threshold, passes bf16's
+    assert m["rollout/probe_mean_abs/engine0"] < 0.1, m
