@@ -103,7 +103,19 @@ _PREREG_METHODS = [
            _darl("algo.trust_anchor=behavior", "algo.sg=false"), depth=REPLAY_DEPTH),
 ]
 DARL_VARIANTS = tuple(m.name for m in _PREREG_METHODS if m.name.startswith("darl"))
-METHODS: dict[str, Method] = {m.name: m for m in (*_METHODS, *_PREREG_METHODS)}
+# The mismatch experiment's cells beyond those (experiment/plan.py, `MISMATCH_PREREG`): verl's token
+# IS in mask mode (IcePop-like: a token whose ratio pi_prox / mu leaves [1/2, 2] is dropped, not
+# capped) and the behavior-anchored D-ARL with the published selection, which separates budget2's
+# two changes (the anchor, and the selection that never lets a reused group displace a new one).
+_MISMATCH_METHODS = [
+    Method("ppo_tis_mask", "PPO, verl token IS mask [1/2, 2]", (*BASELINE_OFF, "algo.policy_loss=ppo",
+                                                                "algo.old_logprob=proximal", "algo.rollout_is=token",
+                                                                "algo.rollout_is_mode=mask",
+                                                                "algo.rollout_is_threshold=2.0")),
+    Method("darl_behav_oldsel", "D-ARL, behavior-anchored, published selection",
+           _darl("algo.trust_anchor=behavior", "algo.sg_new_first=false"), depth=REPLAY_DEPTH),
+]
+METHODS: dict[str, Method] = {m.name: m for m in (*_METHODS, *_PREREG_METHODS, *_MISMATCH_METHODS)}
 DECOUPLED = ("decoupled_areal", "decoupled_verl")
 
 
@@ -224,6 +236,10 @@ class RunResult:
     # runs made before the counter existed: unknown, not 0):
     evicted_untrained: float | None = None  # groups that left the replay pool never trained
     filtered_groups: float | None = None  # groups selection filtered out (`replay/filtered_groups`)
+    # engine-learner mismatch at the same version, means over the steps that log it (`algo/mismatch_*`)
+    mismatch_abs_mean: float | None = None
+    mismatch_kl: float | None = None
+    mismatch_clip_frac: float | None = None  # tokens a PPO ratio would clip at lr 0
 
     @property
     def final_accuracy(self) -> float:

@@ -1,7 +1,8 @@
 """Which runs the experiment makes: sizes, the learning-rate tuning phase and the main grid.
 
 What it is: `Size` (methods, etas, seeds, steps, the learning-rate grid, the tuning eta and
-seeds, and the run settings every run shares), five sizes: `SIZES["budget2"]` (the
+seeds, and the run settings every run shares), seven sizes: `SIZES["bf16"]` and `SIZES["fp8"]`
+(budget2 with the engine in that precision: `mismatch_prereg`), `SIZES["budget2"]` (the
 preregistered two-phase experiment on the budget size's testbed: `PREREG`, experiment/prereg.py),
 `SIZES["budget"]` (the
 sample budget as the stop, two regimes (`Regime`), a disjoint test split, the baseline, three
@@ -185,6 +186,46 @@ PREREG = Prereg(candidates=DARL_VARIANTS,
 # that every cell logs the same figures and pays the same forward pass per step.
 _PREREG_SETTINGS = (*_BUDGET_SETTINGS, "algo.recompute_proximal=true")
 
+# The preregistered experiment under engine-learner mismatch: budget2's testbed, regimes, budget,
+# rules and seeds, with the embedded engine in a lower precision than the fp32 learner
+# (`rollout.engine_dtype`), so behavior log-probs are not the learner's even at the same version,
+# as in every run at scale. Baselines: naive async, AReaL's decoupled PPO, PPO with verl's token IS
+# truncated at 2 and masked outside [1/2, 2] (IcePop-like). Candidates: budget2's two best D-ARL
+# variants by worst-regime margin (darl_behav_tokens -1.38, darl_mixture -1.42 points). References,
+# for the contrasts only: the published D-ARL (proximal anchor, published selection), darl_behav
+# (behavior anchor, new-first selection) and darl_behav_oldsel (behavior anchor, published
+# selection), which separate budget2's two confounded changes. Not registered or run: on this
+# testbed neither dtype puts more than 0.13% of tokens past the clip at lr 0 (docs/results/README.md).
+MISMATCH_QUESTION = ("With the embedded engine in {dtype} and the learner in fp32, which recipe has the best "
+                     "worst-regime AUC over the sample budget: naive async PPO, AReaL's decoupled PPO, PPO with verl's "
+                     "token IS (truncate or mask), or the two best D-ARL variants of budget2?")
+MISMATCH_DEFAULT_RULE = (
+    "The recommended async recipe is the chosen D-ARL variant when phase B's paired test rejects in every regime "
+    "with the variant ahead (Holm); otherwise it is the baseline with the highest worst-regime phase-A mean AUC "
+    "(ties: the earlier in the baselines). The README recommends it. Where it is a D-ARL form, the _darl recipes "
+    "take its overrides as their algo defaults; otherwise the _darl recipes keep D-ARL (algo.trust_anchor=behavior) "
+    "and the README points at the recommended recipe's overrides.")
+
+
+def mismatch_prereg(dtype: str) -> Prereg:
+    """The mismatch experiment's preregistration for an engine in `dtype`."""
+    return Prereg(candidates=("darl_behav_tokens", "darl_mixture"),
+                  baselines=("naive", "decoupled_areal", "decoupled_verl", "ppo_tis_mask"),
+                  references=("darl", "darl_behav", "darl_behav_oldsel"),
+                  secondary_task=PREREG.secondary_task, secondary_label=PREREG.secondary_label,
+                  default_rule=MISMATCH_DEFAULT_RULE, question=MISMATCH_QUESTION.format(dtype=dtype),
+                  cells_note="Every cell runs anew: budget2's runs had an fp32 engine, exact behavior log-probs.")
+
+
+def _mismatch_size(name: str, dtype: str) -> Size:
+    pre = mismatch_prereg(dtype)
+    return Size(name=name, methods=(*pre.baselines, *pre.references, *pre.candidates), ablations=(),
+                etas=tuple(sorted({r.eta for r in REGIMES})), seeds=(0, 1, 2, 3, 4), lr_grid=(1e-4,), tune_eta=1,
+                tune_seeds=(0,), steps=2000, every=0, settings=(*_PREREG_SETTINGS, f"rollout.engine_dtype={dtype}"),
+                tune=False, budget=BUDGET, every_samples=BUDGET_EVERY, regimes=REGIMES, gain_gate=0.08,
+                baseline="naive", prereg=pre)
+
+
 SIZES: dict[str, Size] = {
     "quick": Size(
         name="quick", methods=("decoupled_areal", "darl"), ablations=(), etas=(1,),
@@ -210,6 +251,8 @@ SIZES: dict[str, Size] = {
         etas=tuple(sorted({r.eta for r in REGIMES})), seeds=(0, 1, 2, 3, 4), lr_grid=(1e-4,), tune_eta=1,
         tune_seeds=(0,), steps=2000, every=0, settings=_PREREG_SETTINGS, tune=False, budget=BUDGET,
         every_samples=BUDGET_EVERY, regimes=REGIMES, gain_gate=0.08, prereg=PREREG),
+    "bf16": _mismatch_size("bf16", "bfloat16"),
+    "fp8": _mismatch_size("fp8", "fp8_e4m3"),
 }
 
 

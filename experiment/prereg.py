@@ -64,6 +64,9 @@ class Prereg:
     secondary_task: tuple[str, ...] = ()  # the overrides that make the second task
     secondary_label: str = ""
     secondary_gate: float = 0.08  # the no-replay baseline's mean gain there, per regime, to run the rest
+    default_rule: str = ""  # what the outcome changes in the project's defaults ("": nothing preregistered)
+    question: str = ""  # the question the experiment answers, as preregistered ("": budget2's, in its docs)
+    cells_note: str = ""  # what the design says of its cells' provenance ("": budget2's `PUBLISHED_RERUN`)
 
 
 def auc_marks(curve: Curve, budget: float) -> float:
@@ -197,11 +200,15 @@ def design(size) -> dict:
             "secondary": {"task": list(pre.secondary_task), "label": pre.secondary_label, "gate": pre.secondary_gate,
                           "gate_cell": size.baseline, "seeds": "phase B's",
                           "test": "as phase B's, Holm over the regimes the gate passed"}},
-        "published_cells": PUBLISHED_RERUN, "rules": " ".join(doc.split()), "futility_margin": pre.futility_margin,
+        "published_cells": pre.cells_note or PUBLISHED_RERUN, "rules": " ".join(doc.split()),
+        "futility_margin": pre.futility_margin,
         "effect": pre.effect, "power": pre.power, "alpha": pre.alpha, "gain_gate": size.gain_gate,
         "baseline": size.baseline,
         "cells": {m: {"label": METHODS[m].label, "overrides": list(METHODS[m].overrides),
                       "lr": METHODS[m].lr or rate, "replay_depth": METHODS[m].depth} for m in size.methods},
+        # only where set: budget2's design, written before these fields, stays what it was
+        **({"question": pre.question} if pre.question else {}),
+        **({"default_rule": pre.default_rule} if pre.default_rule else {}),
     }
 
 

@@ -158,6 +158,9 @@ def phase_a_table(results: list[RunResult], size) -> dict[str, dict[str, dict]]:
                 "clip_frac_behavior": _mean_known([r.clip_frac_behavior for r in runs]),
                 "reused_frac": _mean_known([r.reused_frac for r in runs]),
                 "ess_min": _mean_known([r.ess_min for r in runs]), "kl_k3": _mean_known([r.kl_k3 for r in runs])}
+            mism = {k: _mean_known([getattr(r, k) for r in runs])
+                    for k in ("mismatch_abs_mean", "mismatch_kl", "mismatch_clip_frac")}
+            out[reg.name][m].update({k: v for k, v in mism.items() if v is not None})  # budget2's: none logged
     return out
 
 
@@ -202,15 +205,22 @@ def _test_lines(rows: list[dict], contrast: bool = False) -> list[str]:
 def _phase_a_lines(rep: dict) -> list[str]:
     out = []
     for reg, cells in (rep.get("phase_a") or {}).items():
+        mism = any("mismatch_abs_mean" in c for c in cells.values())  # budget2's runs did not log it
+        extra = " mismatch \\|b - p\\| | clipped at lr 0 |" if mism else ""
         out += [f"### Phase A, {reg}", "", "| cell | AUC % [95% CI] | seed range | at budget % | last three % "
-                "| evicted untrained | filtered groups | clip frac vs mu | reused share |", "|---" * 9 + "|"]
+                f"| evicted untrained | filtered groups | clip frac vs mu | reused share |{extra}",
+                "|---" * (11 if mism else 9) + "|"]
         for m, c in cells.items():
             lo, hi = c["auc_ci95"]
             low, high = c["auc_range"]
-            out.append(f"| {METHODS[m].label} | {_pts(c['auc'])} [{_pts(lo)}, {_pts(hi)}] | {_pts(low)}-{_pts(high)} "
-                       f"| {_pts(c['accuracy_at_budget'])} | {_pts(c['last_three'])} "
-                       f"| {_pts(c['evicted_untrained'], 1, '.0f')} | {_pts(c['filtered_groups'], 1, '.0f')} "
-                       f"| {_pts(c['clip_frac_behavior'], 1, '.3f')} | {_pts(c['reused_frac'], 1, '.2f')} |")
+            row = (f"| {METHODS[m].label} | {_pts(c['auc'])} [{_pts(lo)}, {_pts(hi)}] | {_pts(low)}-{_pts(high)} "
+                   f"| {_pts(c['accuracy_at_budget'])} | {_pts(c['last_three'])} "
+                   f"| {_pts(c['evicted_untrained'], 1, '.0f')} | {_pts(c['filtered_groups'], 1, '.0f')} "
+                   f"| {_pts(c['clip_frac_behavior'], 1, '.3f')} | {_pts(c['reused_frac'], 1, '.2f')} |")
+            if mism:
+                row += (f" {_pts(c.get('mismatch_abs_mean'), 1, '.2g')} |"
+                        f" {_pts(c.get('mismatch_clip_frac'), 1, '.3f')} |")
+            out.append(row)
         out.append("")
     for reg, c in (rep.get("phase_a_cost") or {}).items():
         lo, hi = c["wall_s_range"]
@@ -238,13 +248,15 @@ def prereg_markdown(rep: dict) -> str:
     """results.md of the two-phase experiment."""
     d = rep["design"]
     out = [f"# D-ARL, preregistered two-phase experiment ({rep['status']})", "", "## Design (written before the runs)",
-           "", f"Budget {d['budget_samples']} generated samples, evaluated every {d['eval_every_samples']}; phase A "
+           "", *([f"Question: {d['question']}", ""] if d.get("question") else []),
+           f"Budget {d['budget_samples']} generated samples, evaluated every {d['eval_every_samples']}; phase A "
            f"seeds {d['phases']['A']['seeds']}; phase B from seed {d['phases']['B']['first_seed']}. Primary metric: "
            f"{d['primary_metric']}.", "", d["rules"], ""]
     for m, c in d["cells"].items():  # a cell whose label names its own rate is not given it twice
         rate = "" if METHODS[m].lr else f", lr {c['lr']:g}"
         out.append(f"- {m}: {c['label']}{rate} ({' '.join(c['overrides'])})")
     out += ["", d["published_cells"], ""]
+    out += [f"Default rule: {d['default_rule']}", ""] if d.get("default_rule") else []
     out += ["", "## Phase A (exploration)", "", *_phase_a_lines(rep), *_choice_lines(rep.get("choice"))]
     if rep.get("phase_a_contrasts"):
         out += ["### Phase A contrasts (exploratory: not preregistered, p not corrected)", "",

@@ -107,6 +107,9 @@ def _run_json(r: RunResult) -> dict:
             "clip_frac": r.clip_frac, "ess_oldest": r.ess_oldest, "kl_k3": r.kl_k3, "reused_frac": r.reused_frac,
             "clip_frac_behavior": r.clip_frac_behavior, "evicted_untrained": r.evicted_untrained,
             "filtered_groups": r.filtered_groups,
+            # only where logged: runs made before the mismatch metrics read as they were published
+            **{k: v for k in ("mismatch_abs_mean", "mismatch_kl", "mismatch_clip_frac")
+               if (v := getattr(r, k)) is not None},
             "curve": {"steps": r.curve.steps, "samples": r.curve.samples, "wall_s": r.curve.wall_s,
                       "accuracy": r.curve.accuracy, "marks": r.curve.marks, "sampled": r.curve.sampled}}
 

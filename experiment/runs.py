@@ -152,13 +152,15 @@ def _oldest_ess(row: dict) -> float | None:
 
 def drift_diagnostics(rows: list[dict]) -> dict:
     """Means over the steps of the PPO clip fraction (against the loss's anchor and against the
-    behavior policy), the oldest version's ESS fraction, the k3 KL estimate and the reused share
-    of the batch (RunResult's drift fields)."""
+    behavior policy), the oldest version's ESS fraction, the k3 KL estimate, the reused share
+    of the batch and the engine-learner mismatch (RunResult's drift and mismatch fields)."""
     return {"clip_frac": _mean(r.get("train/clip_frac") for r in rows),
             "clip_frac_behavior": _mean(r.get("algo/clip_frac_behavior") for r in rows),
             "ess_oldest": _mean(_oldest_ess(r) for r in rows),
             "kl_k3": _mean(r.get("algo/kl_k3") for r in rows),
-            "reused_frac": _mean(r.get("replay/reused_frac") for r in rows)}
+            "reused_frac": _mean(r.get("replay/reused_frac") for r in rows),
+            **{f"mismatch_{k}": _mean(r.get(f"algo/mismatch_{k}") for r in rows)
+               for k in ("abs_mean", "kl", "clip_frac")}}
 
 
 def last_total(rows: list[dict], key: str) -> float | None:

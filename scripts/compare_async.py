@@ -45,6 +45,7 @@ measures, whichever method wins.
     python scripts/compare_async.py --size budget --out runs/budget --publish docs/results   # D-ARL's claim
     python scripts/compare_async.py --size budget --out runs/budget --report-only   # interim: finished runs only
     python scripts/compare_async.py --size budget2 --out runs/budget2 --publish docs/results/budget2   # two phases
+    python scripts/compare_async.py --size bf16 --out runs/bf16 --publish docs/results/bf16 --design-only
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from experiment import plan as P
 from experiment.analysis import collapsed
 from experiment.api import DARL_VARIANTS
-from experiment.prereg_run import plan_lines, run_experiment, second_task_size
+from experiment.prereg_run import plan_lines, run_experiment, second_task_size, write_design
 from experiment.primary import baseline_gains
 from experiment.report import build_report, finite, markdown, plot_curves
 from experiment.report_budget import DesignChanged, budget_markdown, budget_report, planned
@@ -101,6 +102,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", nargs="*", default=[], help="overrides applied to every run, after the size's")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run counts as failed")
     p.add_argument("--plan", action="store_true", help="print the runs and the time budget, then exit")
+    p.add_argument("--design-only", action="store_true", dest="design_only",
+                   help="preregistered sizes: write results.json's design into --out (and --publish), then exit")
     p.add_argument("--report-only", action="store_true", dest="report_only",
                    help="run nothing: tables, plots and results.json from the finished runs (an interim report)")
     p.add_argument("--no-gate", action="store_true", dest="no_gate",
@@ -302,6 +305,17 @@ def _prereg(args, size: P.Size) -> int:
     print("\n".join(plan_lines(size, lambda specs: P.estimate_s(specs, size, STEP_S, EVAL_S, OVERHEAD_S))),
           flush=True)
     if args.plan:
+        return 0
+    if args.design_only:  # the preregistration, committed before any run (git history dates it)
+        try:
+            write_design(args.out, size)
+        except DesignChanged as exc:
+            print(f"compare_async: {exc}", file=sys.stderr)
+            return 2
+        if args.publish:
+            os.makedirs(args.publish, exist_ok=True)
+            shutil.copy(os.path.join(args.out, "results.json"), os.path.join(args.publish, "results.json"))
+        print(f"design written: {os.path.join(args.publish or args.out, 'results.json')}", flush=True)
         return 0
     phase_a = P.main_specs(size, {})
     bad = _preflight(args, size, phase_a) or _preflight(args, second_task_size(size), phase_a[:1])
