@@ -29,12 +29,14 @@ import argparse
 import asyncio
 import json
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
 
 from megatron_darl.engine.decoder import Decoder, Sequence, WeightLoadError, load_hf_tensors
+from megatron_darl.engine.requests import parse_logprob_starts, prompt_logprob_entries
 from megatron_darl.types import SamplingParams
 from tests.helpers.sglang_release import Release
 
@@ -96,7 +98,8 @@ class StandIn:
         spans = wv.compute_weight_version_spans(req.weight_version_events, current_version=self.version,
                                                 num_output_tokens=n)
         wv.add_weight_versions_to_meta_info(meta, spans, num_output_tokens=n)
-        meta.update(input_token_logprobs=[],
+        prompt = req.seq.tokens[: req.seq.prompt_len]
+        meta.update(input_token_logprobs=prompt_logprob_entries(prompt, req.seq.logprob_start, req.seq.prompt_logprobs),
                     output_token_logprobs=[[lp, t, None] for lp, t in zip(req.seq.logprobs, req.output_ids)],
                     output_token_logprobs_length=n, completion_tokens=n)
         out = {"text": "", "output_ids": list(req.output_ids), "meta_info": meta}
@@ -169,8 +172,11 @@ class StandIn:
                               stop_token_ids=sorted(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
                               seed=sp.sampling_seed)
         ids = body["input_ids"]
-        req = Req(Sequence(rid=body["rid"], tokens=list(ids), prompt_len=len(ids), sampling=ours), time.monotonic())
-        self.reqs[body["rid"]] = req
+        rid = body.get("rid") or uuid.uuid4().hex  # the release fills a missing rid the same way
+        start = parse_logprob_starts(body, [ids])[0]  # prompt log-probs from logprob_start_len (the probe)
+        seq = Sequence(rid=rid, tokens=list(ids), prompt_len=len(ids), sampling=ours, logprob_start=start)
+        req = Req(seq, time.monotonic())
+        self.reqs[rid] = req
         self.wake.set()
         out = await req.future
         self.log("/generate", 200, None, finish=out["meta_info"]["finish_reason"]["type"],
