@@ -103,7 +103,7 @@ _PREREG_METHODS = [
            _darl("algo.trust_anchor=behavior", "algo.sg=false"), depth=REPLAY_DEPTH),
 ]
 DARL_VARIANTS = tuple(m.name for m in _PREREG_METHODS if m.name.startswith("darl"))
-# The mismatch experiment's cells beyond those (experiment/plan.py, `MISMATCH_PREREG`): verl's token
+# The mismatch experiment's cells beyond those (experiment/plan.py, `mismatch_prereg`): verl's token
 # IS in mask mode (IcePop-like: a token whose ratio pi_prox / mu leaves [1/2, 2] is dropped, not
 # capped) and the behavior-anchored D-ARL with the published selection, which separates budget2's
 # two changes (the anchor, and the selection that never lets a reused group displace a new one).
