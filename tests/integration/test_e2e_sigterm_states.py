@@ -31,7 +31,10 @@ STATES = {
                    "stopped: SIGTERM before training started"),
     "engine_start": ({}, "[launcher] starting engines", "stopped: SIGTERM before training started"),
     "evaluation_before": (EVAL, "evaluating held-out accuracy before RL", "stopped: SIGTERM before training started"),
-    "evaluation_after": ({**EVAL, "train": {"steps": 2}}, "evaluating held-out accuracy after RL",
+    # 8 samples a problem: the evaluation after RL lasts seconds, not the 0.2 s a greedy pass over
+    # 400 problems took on a quiet machine, which let it finish before the SIGTERM landed
+    "evaluation_after": ({"data": {"eval_size": 400}, "eval": {"num_problems": 400, "samples_per_problem": 8},
+                          "train": {"steps": 2}}, "evaluating held-out accuracy after RL",
                          "evaluation after RL skipped (SIGTERM during the evaluation after training)"),
 }
 
