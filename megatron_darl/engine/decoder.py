@@ -89,7 +89,7 @@ class Decoder:
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"engine dtype {dtype!r}: allowed are {', '.join(ENGINE_DTYPES)}")
         self.device, self.dtype = torch.device(device), ENGINE_DTYPES[dtype]
-        self.dtype_name, self.fp8 = dtype, dtype in FP8_WEIGHTS  # the setting (fp8_e4m3 computes in bf16)
+        self.dtype_name = dtype  # the setting (fp8_e4m3 computes in bf16)
         self.spec = ModelSpec.from_dir(model_dir)
         self.model = self._build(load_hf_tensors(model_dir, self.spec))
         self.max_batch = max_batch
@@ -170,6 +170,11 @@ class Decoder:
         self.model = self._build(tensors)
         for s in self.rows:
             s.needs_prefill = True
+
+    @property
+    def fp8(self) -> bool:
+        """Whether projection weights are rounded to e4m3 on every load (`fp8.py`)."""
+        return self.dtype_name in FP8_WEIGHTS
 
     def _build(self, tensors: dict[str, torch.Tensor]) -> CausalLM:
         """The forward over fp32 `tensors`, FP8-rounded first for an fp8 engine, cast to the dtype."""

@@ -163,6 +163,8 @@ class StandIn:
             sp = self.rel.SamplingParams(**(body.get("sampling_params") or {}))
             sp.normalize(None)
             sp.verify(self.decoder.spec.vocab_size)
+            # prompt log-probs from logprob_start_len (the probe); past the prompt: the release's 400
+            start = parse_logprob_starts(body, [body["input_ids"]])[0]
         except (ValueError, TypeError) as exc:
             self.log("/generate", 400, body, error=str(exc))
             return web.json_response({"error": str(exc)}, status=400)
@@ -173,7 +175,6 @@ class StandIn:
                               seed=sp.sampling_seed)
         ids = body["input_ids"]
         rid = body.get("rid") or uuid.uuid4().hex  # the release fills a missing rid the same way
-        start = parse_logprob_starts(body, [ids])[0]  # prompt log-probs from logprob_start_len (the probe)
         seq = Sequence(rid=rid, tokens=list(ids), prompt_len=len(ids), sampling=ours, logprob_start=start)
         req = Req(seq, time.monotonic())
         self.reqs[rid] = req
