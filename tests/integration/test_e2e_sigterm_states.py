@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import time
 
@@ -31,10 +32,9 @@ STATES = {
                    "stopped: SIGTERM before training started"),
     "engine_start": ({}, "[launcher] starting engines", "stopped: SIGTERM before training started"),
     "evaluation_before": (EVAL, "evaluating held-out accuracy before RL", "stopped: SIGTERM before training started"),
-    # 8 samples a problem: the evaluation after RL lasts seconds, not the 0.2 s a greedy pass over
-    # 400 problems took on a quiet machine, which let it finish before the SIGTERM landed
-    "evaluation_after": ({"data": {"eval_size": 400}, "eval": {"num_problems": 400, "samples_per_problem": 8},
-                          "train": {"steps": 2}}, "evaluating held-out accuracy after RL",
+    # the engines are held (SIGSTOP) once the learners are done, so the evaluation after RL cannot
+    # finish before the SIGTERM lands: timing alone lost that race twice in CI
+    "evaluation_after": ({**EVAL, "train": {"steps": 2}}, "evaluating held-out accuracy after RL",
                          "evaluation after RL skipped (SIGTERM during the evaluation after training)"),
 }
 
@@ -64,6 +64,38 @@ def _term_and_wait(run: DarlRun) -> tuple[int, str]:
     return code, run.output()
 
 
+def _engine_pids(out: str) -> list[int]:
+    """The engines the host started ("engine 0 (generation 0) starting at URL, pid N, log ...")."""
+    return [int(p) for p in re.findall(r"engine \d+ \(generation \d+\) starting at \S+, pid (\d+),", out)]
+
+
+def _hold_engines_after_training(run: DarlRun) -> list[int]:
+    """SIGSTOP the engines once the learners wrote their summary (nothing on the learner side
+    talks to an engine after that), so the evaluation after RL waits on them until released."""
+    run.wait_for(lambda: os.path.isfile(os.path.join(run.run_dir, "learner_summary.json")), 300,
+                 "the learners' summary")
+    pids = _engine_pids(run.output())
+    assert pids, run.output()[-3000:]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def _term_held_and_wait(run: DarlRun, held: list[int], says: str) -> tuple[int, str]:
+    """SIGTERM while the engines are held; release them once the launcher said what it skipped."""
+    os.kill(run.proc.pid, signal.SIGTERM)
+    try:
+        run.wait_for(lambda: says in run.output(), 120, repr(says))
+    finally:
+        for pid in held:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    code = run.wait(180)
+    return code, run.output()
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("state", sorted(STATES))
 def test_sigterm_outside_a_train_step_ends_cleanly(tmp_path, warm_model, state):
@@ -72,11 +104,12 @@ def test_sigterm_outside_a_train_step_ends_cleanly(tmp_path, warm_model, state):
     model_before = os.path.getmtime(os.path.join(run.run_dir, "model", "model.safetensors"))
     try:
         run.start()
+        held = _hold_engines_after_training(run) if state == "evaluation_after" else []
         run.wait_for(lambda: marker in run.output(), 300, f"the launcher's line {marker!r}")
         if state == "warm_start":
             time.sleep(2.0)  # into the supervised steps
         run_id = run.run_info()["run_id"] if os.path.isfile(os.path.join(run.run_dir, "run_info.json")) else None
-        code, out = _term_and_wait(run)
+        code, out = _term_held_and_wait(run, held, says) if held else _term_and_wait(run)
         assert code == 0, out[-4000:]
         assert says in out, out[-4000:]
         assert _unexpected_tracebacks(out) == [], out[-4000:]
