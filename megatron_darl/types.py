@@ -33,7 +33,11 @@ TRAJECTORY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
     ("group_id", np.dtype(np.int64)),
     ("finish_reason", np.dtype(np.int8)),
     ("metadata", np.dtype(np.uint8)),
+    ("policy_mask", np.dtype(np.uint8)),
 )
+# fields that a record written before they existed lacks (a replay-store checkpoint of an earlier
+# release): `from_arrays` gives them their default
+DEFAULTED_FIELDS: tuple[str, ...] = ("policy_mask",)
 
 
 @dataclass
@@ -43,6 +47,9 @@ class Trajectory:
     A partial rollout interrupted by a weight update spans several behavior versions, so the
     version is per token (`behav_versions`), next to the behavior log-prob of each token under
     the sampling temperature (`behav_logprobs`). The G responses of one prompt share `group_id`.
+    A multi-turn response also holds tokens the policy did not sample (a tool's output, inserted
+    by the rollout): `policy_mask` is 0 there, and those tokens have no behavior log-prob (0.0)
+    and no version (-1). The learner conditions on them and never trains them.
     """
 
     prompt_ids: np.ndarray  # int32 [P]
@@ -54,6 +61,7 @@ class Trajectory:
     group_id: int  # the G responses of one prompt share it; a group is never split
     finish_reason: str = "stop"  # one of FINISH_REASONS
     metadata: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable only
+    policy_mask: np.ndarray | None = None  # uint8 [R]: 1 sampled by the policy, 0 tool output; None: all 1
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
@@ -61,22 +69,49 @@ class Trajectory:
         self.behav_logprobs = np.asarray(self.behav_logprobs, dtype=np.float32)
         self.behav_versions = np.asarray(self.behav_versions, dtype=np.int32)
         n = len(self.response_ids)
-        if len(self.behav_logprobs) != n or len(self.behav_versions) != n:
+        if self.policy_mask is None:
+            self.policy_mask = np.ones(n, dtype=np.uint8)
+        self.policy_mask = np.asarray(self.policy_mask, dtype=np.uint8)
+        if len(self.behav_logprobs) != n or len(self.behav_versions) != n or len(self.policy_mask) != n:
             raise ValueError(
                 f"Trajectory(prompt_id={self.prompt_id}): response_ids has {n} tokens but "
-                f"behav_logprobs has {len(self.behav_logprobs)} and behav_versions "
-                f"{len(self.behav_versions)}; they must match token for token"
+                f"behav_logprobs has {len(self.behav_logprobs)}, behav_versions "
+                f"{len(self.behav_versions)} and policy_mask {len(self.policy_mask)}; they must match "
+                f"token for token"
             )
+        if not self.policy_mask.all():
+            self._check_tool_tokens()
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"Trajectory.finish_reason={self.finish_reason!r}; allowed: {FINISH_REASONS}"
             )
 
+    def _check_tool_tokens(self) -> None:
+        """Tokens the policy did not sample carry no version (-1) and no log-prob (0.0)."""
+        mask = self.policy_mask
+        if int(mask.max(initial=0)) > 1:
+            raise ValueError(f"Trajectory(prompt_id={self.prompt_id}): policy_mask holds {int(mask.max())}; "
+                             f"allowed: 0 (tool output) and 1 (sampled by the policy)")
+        tool = mask == 0
+        if (self.behav_versions[tool] != -1).any() or (self.behav_logprobs[tool] != 0.0).any():
+            at = int(np.flatnonzero(tool & ((self.behav_versions != -1) | (self.behav_logprobs != 0.0)))[0])
+            raise ValueError(
+                f"Trajectory(prompt_id={self.prompt_id}): response token {at} is tool output (policy_mask 0) "
+                f"but has version {int(self.behav_versions[at])} and log-prob {float(self.behav_logprobs[at])}; "
+                f"tool output has neither (version -1, log-prob 0.0)"
+            )
+
     @property
     def version(self) -> int:
-        """Behavior version of the sequence: the oldest version among its tokens (staleness is
-        measured from the oldest policy that contributed), -1 for an empty response."""
-        return int(self.behav_versions.min()) if len(self.behav_versions) else -1
+        """Behavior version of the sequence: the oldest version among the tokens the policy
+        sampled (staleness is measured from the oldest policy that contributed), -1 when it
+        sampled none."""
+        sampled = self.behav_versions[self.policy_mask > 0]
+        return int(sampled.min()) if len(sampled) else -1
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(self.policy_mask.sum())
 
     @property
     def num_tokens(self) -> int:
@@ -95,13 +130,15 @@ class Trajectory:
             "group_id": np.array([self.group_id]),
             "finish_reason": np.array([FINISH_REASONS.index(self.finish_reason)]),
             "metadata": np.frombuffer(meta, dtype=np.uint8),
+            "policy_mask": self.policy_mask,
         }
         return {name: np.ascontiguousarray(values[name], dtype=dt) for name, dt in TRAJECTORY_FIELDS}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "Trajectory":
-        """Inverse of `to_arrays`. Token arrays are kept as given (views stay views)."""
-        missing = [name for name, _ in TRAJECTORY_FIELDS if name not in arrays]
+        """Inverse of `to_arrays`. Token arrays are kept as given (views stay views); a record
+        of an earlier release without `policy_mask` reads as all policy tokens."""
+        missing = [name for name, _ in TRAJECTORY_FIELDS if name not in arrays and name not in DEFAULTED_FIELDS]
         if missing:
             raise KeyError(f"Trajectory.from_arrays: missing fields {missing}")
         code = int(arrays["finish_reason"][0])
@@ -118,6 +155,7 @@ class Trajectory:
             group_id=int(arrays["group_id"][0]),
             finish_reason=FINISH_REASONS[code],
             metadata=json.loads(meta) if meta else {},
+            policy_mask=arrays.get("policy_mask"),
         )
 
 
@@ -202,7 +240,7 @@ def make_train_batch(trajs: list[Trajectory], advantages: np.ndarray) -> TrainBa
         p, r = len(t.prompt_ids), len(t.response_ids)
         tokens[i, :p] = t.prompt_ids
         tokens[i, p : p + r] = t.response_ids
-        mask[i, p : p + r] = 1.0
+        mask[i, p : p + r] = t.policy_mask  # tool output is context, never a trained token
         behav[i, p : p + r] = t.behav_logprobs
         tver[i, p : p + r] = t.behav_versions
         dense.setdefault(t.group_id, len(dense))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_darl.algo.config import AlgoConfig
-from megatron_darl.types import TRAJECTORY_FIELDS, Trajectory
+from megatron_darl.types import DEFAULTED_FIELDS, TRAJECTORY_FIELDS, Trajectory
 
 STATE_FORMAT = 1
 
@@ -329,7 +329,10 @@ class ReplayStore:
 
 
 def _unflatten(arrays: dict[str, np.ndarray]) -> list[Trajectory]:
-    lens = {name: arrays[f"traj/{name}/len"] for name, _ in TRAJECTORY_FIELDS}
+    # a checkpoint of an earlier release lacks the fields added since (Trajectory defaults them)
+    present = [(name, dtype) for name, dtype in TRAJECTORY_FIELDS
+               if name not in DEFAULTED_FIELDS or f"traj/{name}/len" in arrays]
+    lens = {name: arrays[f"traj/{name}/len"] for name, _ in present}
     n = len(arrays["traj/reward64"])
     if any(len(v) != n for v in lens.values()):
         raise ValueError("ReplayStore.load_state_dict: trajectory field counts disagree")
@@ -337,7 +340,7 @@ def _unflatten(arrays: dict[str, np.ndarray]) -> list[Trajectory]:
     out = []
     for i in range(n):
         fields = {}
-        for name, dtype in TRAJECTORY_FIELDS:
+        for name, dtype in present:
             end = int(ends[name][i])
             fields[name] = np.asarray(arrays[f"traj/{name}"][end - int(lens[name][i]) : end], dtype=dtype).copy()
         traj = Trajectory.from_arrays(fields)

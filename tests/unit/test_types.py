@@ -67,3 +67,45 @@ def test_make_train_batch_aligns_tokens_and_logprobs():
         assert b.versions[i] == t.version
     assert b.group_index.tolist() == [0, 0, 1, 1]
     assert b.num_response_tokens == sum(2 + i for i in range(4))
+
+
+def _tool_episode() -> Trajectory:
+    """Policy tokens 0-2 (versions 4, 4, 5), tool output 3-5, policy tokens 6-7 (version 3)."""
+    mask = [1, 1, 1, 0, 0, 0, 1, 1]
+    return Trajectory([1, 2], [10, 11, 12, 90, 91, 92, 13, 14], [-0.5, -0.4, -0.3, 0.0, 0.0, 0.0, -0.2, -0.1],
+                      [4, 4, 5, -1, -1, -1, 3, 3], 1.0, 9, 9, policy_mask=mask)
+
+
+def test_tool_output_is_context_never_a_trained_token():
+    t = _tool_episode()
+    assert t.version == 3 and t.num_policy_tokens == 5  # tool tokens have no version
+    back = Trajectory.from_arrays({k: np.frombuffer(v.tobytes(), dtype=v.dtype) for k, v in t.to_arrays().items()})
+    np.testing.assert_array_equal(back.policy_mask, t.policy_mask)
+    b = make_train_batch([t], np.ones(1, np.float32))
+    assert b.loss_mask[0, :2].sum() == 0 and b.loss_mask[0, 2:].tolist() == [1, 1, 1, 0, 0, 0, 1, 1]
+    assert b.token_versions[0, 5:8].tolist() == [-1, -1, -1] and b.num_response_tokens == 5
+    np.testing.assert_array_equal(b.tokens[0, 2:], t.response_ids)  # the learner conditions on them
+    assert b.versions[0] == 3
+
+
+def test_tool_tokens_with_a_version_or_logprob_are_refused():
+    good = _tool_episode()
+    with pytest.raises(ValueError, match="token 4 is tool output .* version 5"):
+        Trajectory([1], good.response_ids, good.behav_logprobs, [4, 4, 5, -1, 5, -1, 3, 3], 1.0, 9, 9,
+                   policy_mask=good.policy_mask)
+    logp = good.behav_logprobs.copy()
+    logp[3] = -1.0
+    with pytest.raises(ValueError, match="token 3 is tool output"):
+        Trajectory([1], good.response_ids, logp, good.behav_versions, 1.0, 9, 9, policy_mask=good.policy_mask)
+    with pytest.raises(ValueError, match="policy_mask 7"):
+        Trajectory([1], good.response_ids, good.behav_logprobs, good.behav_versions, 1.0, 9, 9, policy_mask=[1] * 7)
+    with pytest.raises(ValueError, match="policy_mask holds 2"):
+        Trajectory([1], [5, 6], [0.0, 0.0], [1, -1], 1.0, 9, 9, policy_mask=[2, 0])
+
+
+def test_a_record_without_policy_mask_reads_as_all_policy_tokens():
+    """A replay-store checkpoint written before the field existed."""
+    t = _traj(np.random.default_rng(3))
+    arrays = {k: v for k, v in t.to_arrays().items() if k != "policy_mask"}
+    back = Trajectory.from_arrays(arrays)
+    assert back.policy_mask.tolist() == [1] * len(t.response_ids)

@@ -182,7 +182,7 @@ def _assert_same(a: ReplayStore, b: ReplayStore) -> None:
     pairs += [(x, y) for ka in a._pending for x, y in zip(a._pending[ka], b._pending[ka])]
     assert list(a._pending) == list(b._pending)
     for x, y in pairs:
-        for name in ("prompt_ids", "response_ids", "behav_logprobs", "behav_versions"):
+        for name in ("prompt_ids", "response_ids", "behav_logprobs", "behav_versions", "policy_mask"):
             np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
         assert (x.reward, x.prompt_id, x.group_id, x.finish_reason, x.metadata) == (
             y.reward, y.prompt_id, y.group_id, y.finish_reason, y.metadata)
@@ -215,6 +215,29 @@ def test_state_round_trip_is_exact_and_resumes_identically(tmp_path, via_file):
     _assert_same(store, restored)
     with pytest.raises(ValueError, match="group_size"):
         ReplayStore(cfg, group_size=G + 1).load_state_dict(store.state_dict())
+
+
+def test_tool_output_masks_survive_a_round_trip_and_older_checkpoints_load():
+    """A multi-turn group's policy_mask is saved; a checkpoint written before the field existed
+    (no traj/policy_mask arrays) loads with every token a policy token."""
+    cfg = _cfg(k=3)
+    store = ReplayStore(cfg, group_size=G)
+    for m in range(G):
+        t = _traj(5, m, 2, n=6)
+        t.behav_logprobs[2:4], t.behav_versions[2:4] = 0.0, -1
+        store.add(Trajectory(t.prompt_ids, t.response_ids, t.behav_logprobs, t.behav_versions, t.reward, 5, 5,
+                             policy_mask=[1, 1, 0, 0, 1, 1]), 2)
+    _add_group(store, 6, version=2, step=2)
+    restored = ReplayStore(cfg, group_size=G)
+    restored.load_state_dict(store.state_dict())
+    _assert_same(store, restored)
+    assert [t.policy_mask.tolist() for t in restored.groups[0].trajectories] == [[1, 1, 0, 0, 1, 1]] * G
+    old = store.state_dict()
+    old["arrays"] = {k: v for k, v in old["arrays"].items() if not k.startswith("traj/policy_mask")}
+    plain = ReplayStore(cfg, group_size=G)
+    plain.load_state_dict(old)
+    assert [g.group_id for g in plain.groups] == [5, 6]
+    assert all(t.policy_mask.all() for g in plain.groups for t in g.trajectories)
 
 
 def test_bad_config_is_rejected_with_field_names():
