@@ -9,7 +9,8 @@ events change the count (gains, losses, boxes of n, doubling, halving, selling b
 problem needs several exact steps, not one sum. The reference solution is written out the GSM8K
 way (one equation a line, then `#### N`) in `metadata["solution"]`; the answer is N.
 Graded with math-verify as the project's math grading calls it (`rewards/math_grader.py`) on the text
-after the response's last `####`, or on the whole response when it has none (its final number).
+after the response's last `####`, or on the whole response when it has none (its final number),
+which must be a number written out, not an expression (data/answers.py).
 Train and test are disjoint by construction with `data.partition: hash` (data/partition.py: a
 question belongs to one split by a hash of its text); the recipe sets it.
 What it is not: GSM8K itself (its problems are human-written and harder), or a source class: the
@@ -98,8 +99,12 @@ def score(response: str | None, gold: str) -> float:
     # data/): gold is a whole number, the response's final answer is read as an expression
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    from megatron_darl.data.answers import is_number_literal
+
     pred = parse(final_answer(response), (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()),
                  parsing_timeout=None)
+    if pred and not is_number_literal(str(pred[-1])):
+        return 0.0  # "she has 40 - 7 stickers": an expression, the arithmetic left to the grader
     return 1.0 if pred and verify(parse(gold, (ExprExtractionConfig(),), parsing_timeout=None), pred,
                                   timeout_seconds=None) else 0.0
 

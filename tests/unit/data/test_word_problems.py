@@ -85,6 +85,10 @@ def test_entries_are_reproducible_and_grade_through_the_verifier():
     ("#### 24\nwait, #### 25", 0.0),  # the last #### counts
     ("24 coins, minus 3", 0.0),
     ("", 0.0),
+    ("Ana has 22 + 2 coins now.", 0.0),  # an expression: the arithmetic left to the grader
+    ("#### 22 + 2", 0.0),
+    ("#### 12 * 2", 0.0),
+    ("#### 24 coins", 1.0),
 ])
 def test_grading_reads_the_answer_after_the_last_mark(response, score):
     assert wp.score(response, "24") == score
@@ -112,7 +116,7 @@ def test_the_config_knows_the_name_the_dataset_registers():
     assert wp.NAME in PROJECT_DATASETS
 
 
-@pytest.mark.parametrize("response", ["#### 24", "so 24 coins", "#### 25", "no number"])
+@pytest.mark.parametrize("response", ["#### 24", "so 24 coins", "#### 25", "no number", "she has 22 + 2 coins"])
 def test_grading_agrees_with_the_math_grader(response):
     from megatron_darl.rewards.math_grader import grade_math
 

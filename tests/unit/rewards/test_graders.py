@@ -30,6 +30,8 @@ MATH_RIGHT = [
     ("72", "48/2 = 24 clips in May; 48+24 = 72 clips. The final answer is 72"),  # plain
     ("-7", "\\boxed{-7}"),
     ("3", "First 2+2=4, then \\boxed{3}"),  # the boxed answer, not the working
+    ("33", "40 - 7 = 33, so she has 33 stickers."),  # the working is fine, the answer is a number
+    ("2+\\sqrt{3}", "\\boxed{\\sqrt{3}+2}"),  # expressions still compare where the gold is one
 ]
 MATH_WRONG = [
     ("\\frac{1}{2}", "\\boxed{\\frac13}"),
@@ -39,6 +41,12 @@ MATH_WRONG = [
     ("\\pi", "\\boxed{3.14}"),
     ("2", "no answer here"),
     ("5", "\\boxed{5 \\text{ cm}^2 + 1}"),
+    # a whole-number gold takes a number written out: an expression equal to it leaves the
+    # arithmetic to the grader (a SmolLM2 run learned "she has 40 - 7 stickers"; data/answers.py)
+    ("33", "So she has 40 - 7 stickers."),
+    ("33", "\\boxed{40-7}"),
+    ("32", "she now has 16 * 2 shells"),
+    ("24", "#### 48/2"),
 ]
 
 
