@@ -8,6 +8,9 @@ timed, then read back from its folder:
   under <run_dir>/tb), drawn to `--png` when matplotlib is installed;
 - sampled reward and response length, first and last quarter of the steps (what RL changed
   besides accuracy: longer or shorter answers);
+- with `--transfer`, the base model and the trained policy scored greedily on problems of two
+  events (the recipe trains on one), paired, with the 95% interval: whether what RL taught carries
+  to longer chains it never trained on;
 - wall time of the whole command (model preparation excluded when the folder is cached) and of
   the training steps; tokens/s of the engine (`rollout/tokens_generated` over
   `rollout/engine_busy_s` at the last step: generated tokens per engine-second with requests in
@@ -19,7 +22,7 @@ comparison of settings: run it once per setting with `--extra`. Timings mean som
 machine that runs nothing else.
 
     python3 bench/smollm2_run.py [--run-dir runs/smollm2_bench] [--png docs/results/smollm2_curve.png]
-                                 [--extra KEY=VALUE ...] [--quick]
+                                 [--extra KEY=VALUE ...] [--quick] [--transfer] [--read-only]
 """
 
 from __future__ import annotations
@@ -95,6 +98,39 @@ def read(run_dir: str) -> dict:
     return out
 
 
+def _scores(run_dir: str, model: str, events: int, num_problems: int):
+    """Greedy held-out scores of `model` on problems of `events` events (the run's own config else)."""
+    from megatron_darl.config import load_config
+    from megatron_darl.eval.heldout import evaluate_with_engines
+    from megatron_darl.launch.local import start_local_engines
+    from megatron_darl.launch.supervisor import Supervisor
+
+    cfg = load_config(os.path.join(run_dir, "config.yaml"),
+                      [f"model.hf_dir={model}", f"data.dataset_kwargs={{min_steps: {events}, max_steps: {events}}}",
+                       f"data.eval_size={num_problems}", f"eval.num_problems={num_problems}",
+                       "eval.samples_per_problem=1", "eval.temperature=0.0", "rollout.num_engines=1"])
+    with Supervisor(os.path.join(run_dir, "logs"), echo=None) as sup:
+        scores, line = evaluate_with_engines(cfg, start_local_engines(cfg, sup), f"of {model}")
+    print(line, flush=True)
+    return scores
+
+
+def transfer(run_dir: str, events: int = 2, num_problems: int = 200) -> dict:
+    """The base model and the run's final policy on `events`-event problems: accuracies, paired gain."""
+    from megatron_darl.eval.scoring import paired_difference
+
+    with open(os.path.join(run_dir, "run_info.json")) as fh:
+        final = json.load(fh)["final_model"]
+    import yaml
+
+    with open(os.path.join(run_dir, "config.yaml")) as fh:
+        base = yaml.safe_load(fh)["model"]["hf_dir"]
+    before, after = (_scores(run_dir, m, events, num_problems) for m in (base, final))
+    gain, lo, hi = paired_difference(before, after)
+    return {"events": events, "problems": num_problems, "accuracy_before": float(before.scores.mean()),
+            "accuracy_after": float(after.scores.mean()), "gain": gain, "gain_ci95": [lo, hi]}
+
+
 def draw(curve: list[tuple[float, float]], png: str) -> bool:
     try:
         import matplotlib
@@ -123,9 +159,12 @@ def main() -> int:
     p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of the recipe")
     p.add_argument("--quick", action="store_true", help="a few tiny steps: checks the script, measures nothing")
     p.add_argument("--timeout", type=float, default=3 * 3600)
+    p.add_argument("--transfer", action="store_true",
+                   help="also score the base model and the policy on two-event problems (about 4 min)")
+    p.add_argument("--read-only", action="store_true", help="read --run-dir as it is; run nothing")
     args = p.parse_args()
     run_dir = os.path.abspath(args.run_dir)
-    wall = run(run_dir, (QUICK if args.quick else []) + args.extra, args.timeout)
+    wall = None if args.read_only else run(run_dir, (QUICK if args.quick else []) + args.extra, args.timeout)
     r = read(run_dir)
     r.update({"wall_s": wall, "extra": args.extra, "quick": args.quick, "run_dir": run_dir})
     lo, hi = r["gain_ci95"] or (float("nan"), float("nan"))
@@ -135,10 +174,16 @@ def main() -> int:
                        ("response_len_first_last_quarter", "response tokens")):
         if key in r:
             print(f"{label:<18} {r[key][0]:.3f} -> {r[key][1]:.3f} (first and last quarter of the steps)")
-    print(f"time               {wall / 60:.1f} min for the command, {r['train_s'] / 60:.1f} min in {r['steps']} steps")
+    took = "not timed (--read-only)" if wall is None else f"{wall / 60:.1f} min for the command"
+    print(f"time               {took}, {r['train_s'] / 60:.1f} min in {r['steps']} steps")
     for key, label in (("engine_tokens_per_s", "engine tokens/s"), ("learner_tokens_per_s", "learner tokens/s")):
         print(f"{label:<18} {r[key]:.1f}" if r[key] is not None else f"{label:<18} not logged")
     print("curve              " + ", ".join(f"{int(v)}: {100 * a:.1f}%" for v, a in r["curve"]))
+    if args.transfer:
+        t = r["transfer"] = transfer(run_dir, num_problems=8 if args.quick else 200)
+        print(f"two-event problems {100 * t['accuracy_before']:.1f}% -> {100 * t['accuracy_after']:.1f}%  gain "
+              f"{100 * t['gain']:+.1f} points (95% CI {100 * t['gain_ci95'][0]:+.1f} to "
+              f"{100 * t['gain_ci95'][1]:+.1f}) on {t['problems']} problems (greedy; trained on one event)")
     if args.png and r["curve"]:
         r["png"] = args.png if draw(r["curve"], args.png) else None
     print(json.dumps(r))
