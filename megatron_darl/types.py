@@ -79,6 +79,9 @@ class Trajectory:
                 f"{len(self.behav_versions)} and policy_mask {len(self.policy_mask)}; they must match "
                 f"token for token"
             )
+        if int(self.policy_mask.max(initial=0)) > 1:  # a weight of 2 would count a token twice
+            raise ValueError(f"Trajectory(prompt_id={self.prompt_id}): policy_mask holds "
+                             f"{int(self.policy_mask.max())}; allowed: 0 (tool output) and 1 (sampled by the policy)")
         if not self.policy_mask.all():
             self._check_tool_tokens()
         if self.finish_reason not in FINISH_REASONS:
@@ -88,11 +91,7 @@ class Trajectory:
 
     def _check_tool_tokens(self) -> None:
         """Tokens the policy did not sample carry no version (-1) and no log-prob (0.0)."""
-        mask = self.policy_mask
-        if int(mask.max(initial=0)) > 1:
-            raise ValueError(f"Trajectory(prompt_id={self.prompt_id}): policy_mask holds {int(mask.max())}; "
-                             f"allowed: 0 (tool output) and 1 (sampled by the policy)")
-        tool = mask == 0
+        tool = self.policy_mask == 0
         if (self.behav_versions[tool] != -1).any() or (self.behav_logprobs[tool] != 0.0).any():
             at = int(np.flatnonzero(tool & ((self.behav_versions != -1) | (self.behav_logprobs != 0.0)))[0])
             raise ValueError(

@@ -101,6 +101,8 @@ def test_tool_tokens_with_a_version_or_logprob_are_refused():
         Trajectory([1], good.response_ids, good.behav_logprobs, good.behav_versions, 1.0, 9, 9, policy_mask=[1] * 7)
     with pytest.raises(ValueError, match="policy_mask holds 2"):
         Trajectory([1], [5, 6], [0.0, 0.0], [1, -1], 1.0, 9, 9, policy_mask=[2, 0])
+    with pytest.raises(ValueError, match="policy_mask holds 2"):  # no tool token: still checked
+        Trajectory([1], [5, 6], [0.0, 0.0], [1, 1], 1.0, 9, 9, policy_mask=[2, 1])
 
 
 def test_a_record_without_policy_mask_reads_as_all_policy_tokens():
