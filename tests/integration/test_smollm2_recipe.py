@@ -29,8 +29,10 @@ ENGLISH = ["The cat sat on the mat and looked out of the window at the rain.",
            "Paris is the capital of France, and Berlin is the capital of Germany."]
 RENDERED = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
             "<|im_start|>user\nAna has 22 coins.<|im_end|>\n<|im_start|>assistant\n")
+# the filter off: 8-token answers are all wrong, so every group would be dropped and regenerated
+# until the step's data wait ran out (the recipe's filter pays only when some answers are right)
 TINY = {"train": {"steps": 2, "batch_prompts": 2},
-        "rollout": {"max_new_tokens": 8},
+        "rollout": {"max_new_tokens": 8, "filter_equal_rewards": False},
         "data": {"size": 200, "eval_size": 4, "val_size": 4},
         "eval": {"num_problems": 4, "every_steps": 0},
         "checkpoint": {"every_steps": 0},
