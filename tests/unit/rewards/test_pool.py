@@ -67,7 +67,8 @@ def test_spinning_parser_is_cut_off_and_pool_keeps_working(pool):
     before = pool.metrics()["rollout/reward_timeouts"]
     pids = set(pool.worker_pids())
     start = time.monotonic()
-    results = pool.score([math(SPIN, "5"), math("\\boxed{7}", "7"), math("\\boxed{8}", "7")])
+    # a gold that is not a whole number: for one that is, the tower is refused unevaluated
+    results = pool.score([math(SPIN, "\\frac{5}{2}"), math("\\boxed{7}", "7"), math("\\boxed{8}", "7")])
     elapsed = time.monotonic() - start
     assert results[0].status == "timeout" and results[0].score == 0.0
     assert [(r.status, r.score) for r in results[1:]] == [("ok", 1.0), ("ok", 0.0)]
