@@ -77,8 +77,9 @@ def answers(run_dir: str, model: str) -> list[dict]:
 
     with Supervisor(os.path.join(run_dir, "logs"), echo=None) as sup:
         items, scores = asyncio.run(go(start_local_engines(cfg, sup)))
-    return [{"question": it.prompt, "response": it.response, "tokens": len(tokenizer.encode(it.response)),
+    rows = [{"question": it.prompt, "response": it.response, "tokens": len(tokenizer.encode(it.response)),
              "score": float(s)} for it, s in zip(items, scores.scores[:, 0])]
+    return rows, scores
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -97,20 +98,15 @@ def main() -> int:
     p.add_argument("--examples", type=int, default=3)
     args = p.parse_args()
     run_dir = os.path.abspath(args.run_dir)
-    with open(os.path.join(run_dir, "run_info.json")) as fh:
-        final = json.load(fh)["final_model"]
-    import yaml
+    from bench.smollm2_run import models
+    from megatron_darl.eval.scoring import paired_difference
 
-    with open(os.path.join(run_dir, "config.yaml")) as fh:
-        base = yaml.safe_load(fh)["model"]["hf_dir"]
-    before, after = answers(run_dir, base), answers(run_dir, final)
+    (before, scores_before), (after, scores_after) = (answers(run_dir, m) for m in models(run_dir))
     sb, sa = summarise(before), summarise(after)
     with open(os.path.join(run_dir, "answers.jsonl"), "w") as fh:
         for b, a in zip(before, after):
             fh.write(json.dumps({"before": b, "after": a}) + "\n")
-    diff = [a["score"] - b["score"] for b, a in zip(before, after)]
-    half = 1.96 * statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("inf")
-    gain = [statistics.fmean(diff), statistics.fmean(diff) - half, statistics.fmean(diff) + half]
+    gain = list(paired_difference(scores_before, scores_after))
     print(f"accuracy          {100 * sb['accuracy']:.1f}% -> {100 * sa['accuracy']:.1f}% on {len(before)} problems: "
           f"gain {100 * gain[0]:+.1f} points (95% CI {100 * gain[1]:+.1f} to {100 * gain[2]:+.1f})")
     for k, (acc, n) in sb["by_kind"].items():

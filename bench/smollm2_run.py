@@ -115,16 +115,21 @@ def _scores(run_dir: str, model: str, events: int, num_problems: int):
     return scores
 
 
-def transfer(run_dir: str, events: int = 2, num_problems: int = 200) -> dict:
-    """The base model and the run's final policy on `events`-event problems: accuracies, paired gain."""
-    from megatron_darl.eval.scoring import paired_difference
-
-    with open(os.path.join(run_dir, "run_info.json")) as fh:
-        final = json.load(fh)["final_model"]
+def models(run_dir: str) -> tuple[str, str]:
+    """A finished run's base model folder and its final policy folder."""
     import yaml
 
     with open(os.path.join(run_dir, "config.yaml")) as fh:
         base = yaml.safe_load(fh)["model"]["hf_dir"]
+    with open(os.path.join(run_dir, "run_info.json")) as fh:
+        return base, json.load(fh)["final_model"]
+
+
+def transfer(run_dir: str, events: int = 2, num_problems: int = 200) -> dict:
+    """The base model and the run's final policy on `events`-event problems: accuracies, paired gain."""
+    from megatron_darl.eval.scoring import paired_difference
+
+    base, final = models(run_dir)
     before, after = (_scores(run_dir, m, events, num_problems) for m in (base, final))
     gain, lo, hi = paired_difference(before, after)
     return {"events": events, "problems": num_problems, "accuracy_before": float(before.scores.mean()),
