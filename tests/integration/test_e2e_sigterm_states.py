@@ -14,6 +14,7 @@ tests/faults/test_launch.py."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -88,10 +89,8 @@ def _term_held_and_wait(run: DarlRun, held: list[int], says: str) -> tuple[int, 
         run.wait_for(lambda: says in run.output(), 120, repr(says))
     finally:
         for pid in held:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # an engine the launcher already stopped
                 os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
     code = run.wait(180)
     return code, run.output()
 
