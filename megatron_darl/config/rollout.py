@@ -66,12 +66,28 @@ class RolloutConfig:
     # (SGLang servers included): mean 0.5 (2x over fp8's noise, 4x under the smallest corruption), no max
     probe_max_abs: float | None = None
     probe_mean_abs: float | None = None
+    # tool calls inside a response (rollout/tools.py): "none", or "python": a call's code runs in the
+    # code sandbox and its output continues the response as tool tokens (policy_mask 0: conditioned
+    # on, never trained). max_new_tokens is then the budget of the whole episode, tool tokens included
+    tool: str = "none"
+    max_turns: int = 4  # generation turns per response: at most max_turns - 1 tool calls run
+    tool_call_tokens: list[str] = field(default_factory=lambda: ["<tool_call>", "</tool_call>"])  # single tokens
+    # what answers a call, around the program's output. Qwen3's chat template answers a call in a
+    # user turn (configs/qwen3_4b_math_tools.yaml): "<|im_end|>\n<|im_start|>user\n<tool_response>\n
+    # {output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n" (one string)
+    tool_response_template: str = "<tool_response>{output}</tool_response>"
+    tool_max_output_tokens: int = 64  # of the program's output; longer output is cut (counted)
+    tool_wall_s: float = 5.0  # sandbox limits of one call: wall clock, CPU seconds, memory
+    tool_cpu_s: int = 3
+    tool_memory_mb: int = 512
+    tool_workers: int = 2  # calls running at once (threads of the rollout manager, off its event loop)
 
     _choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "backend": ("torch", "sglang"),
         "engine_dtype": ("float32", "bfloat16", "float16", "fp8_e4m3"),
         "pause_mode": PAUSE_MODES,
         "weight_sync": ("auto", "shm", "disk", "distributed"),
+        "tool": ("none", "python"),
     }
 
     def effective_weight_sync(self, engines_on_rollout_nodes: bool) -> str:
@@ -139,6 +155,22 @@ class RolloutConfig:
                 errs.append((key, f"{getattr(self, key)}: must be > 0, or null for the dtype's default"))
         if self.num_engines < 1 and not self.engine_urls:
             errs.append(("num_engines", "must be >= 1 when no engine_urls are given"))
+        return errs + self._tool_errors()
+
+    def _tool_errors(self) -> list[tuple[str, str]]:
+        errs: list[tuple[str, str]] = []
+        for key in ("max_turns", "tool_max_output_tokens", "tool_cpu_s", "tool_memory_mb", "tool_workers"):
+            if getattr(self, key) < 1:
+                errs.append((key, f"{getattr(self, key)}: must be >= 1"))
+        if not self.tool_wall_s > 0:
+            errs.append(("tool_wall_s", f"{self.tool_wall_s}: must be > 0"))
+        if len(self.tool_call_tokens) != 2 or len(set(self.tool_call_tokens)) != 2 or not all(self.tool_call_tokens):
+            errs.append(("tool_call_tokens", f"{self.tool_call_tokens!r}: must be two different tokens, "
+                         "the one that opens a call and the one that closes it"))
+        if self.tool_response_template.count("{output}") != 1:
+            errs.append(("tool_response_template", "must hold '{output}' exactly once (where the call's output goes)"))
+        if self.tool != "none" and self.max_turns < 2:
+            errs.append(("max_turns", f"{self.max_turns} with rollout.tool={self.tool!r} runs no call: must be >= 2"))
         return errs
 
     def probe_thresholds(self) -> tuple[float, float]:

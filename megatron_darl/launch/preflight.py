@@ -69,7 +69,7 @@ def _machine_checks(cfg: RunConfig) -> list[str]:
     from megatron_darl.launch.nccl_check import nccl_checks
     from megatron_darl.trainer.checkpoints import writable_problem
 
-    errors = data_checks(cfg.data) + warmstart.check_answers(cfg) + nccl_checks(cfg)
+    errors = data_checks(cfg.data) + warmstart.check_answers(cfg) + nccl_checks(cfg) + tool_checks(cfg)
     if cfg.launch.mode == "local":  # on Slurm the ring lives on the first trainer node: checked there
         from megatron_darl.channel.shm_space import shm_space_problem
 
@@ -94,4 +94,27 @@ def data_checks(data: DataConfig) -> list[str]:
 
         problem = sandbox_problem()
         errors += [f"data.{code_key}: code tasks, but {problem}"] if problem else []
+    return errors
+
+
+def tool_checks(cfg: RunConfig) -> list[str]:
+    """With `rollout.tool`, the policy's calls run in the code sandbox, which this machine must
+    allow, and a call opens and closes on single tokens of the run's tokenizer (the engine stops on
+    the closing one). A tokenizer folder that a run prepares (package:..., builtin:...) is checked
+    when the rollout manager starts."""
+    rc = cfg.rollout
+    if rc.tool == "none":
+        return []
+    from megatron_darl.data.tokenizers import BUILTINS, load_tokenizer
+    from megatron_darl.rewards.sandbox import sandbox_problem
+    from megatron_darl.rollout.tools import ToolFormat, limits_of
+
+    problem = sandbox_problem(limits_of(rc))
+    errors = [f"rollout.tool: {rc.tool!r} runs the policy's code in the sandbox, but {problem}"] if problem else []
+    folder = cfg.model.tokenizer_dir
+    if folder in BUILTINS or os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        try:
+            ToolFormat(rc, load_tokenizer(folder))
+        except ValueError as exc:
+            errors.append(str(exc))
     return errors

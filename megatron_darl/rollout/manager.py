@@ -82,7 +82,7 @@ class RolloutManager:
         if not config.partial_rollout and config.pause_mode != "abort":
             raise ValueError(f"rollout.partial_rollout=false needs rollout.pause_mode=abort (got {config.pause_mode!r}"
                              "): retract/in_place continue requests on the engine under the new weights")
-        self.config, self._prompts, self._gate = config, prompts, gate
+        self.config, self._prompts, self._gate, self._workflow = config, prompts, gate, workflow
         self._clock, self._signal = clock, Signal()
         self._count: collections.Counter[str] = collections.Counter({k: 0 for k in MANAGER_COUNTERS})
         self._pool = EnginePool(config, engines, signal=self._signal, restarter=restarter,
@@ -245,7 +245,11 @@ class RolloutManager:
         saved = state.get("counters", {})
         self._pool.load_counts(saved)
         self._runner.load_counts(saved)
-        mine = {k: v for k, v in saved.items() if k not in POOL_COUNTERS + RUNNER_COUNTERS}  # unknown names too
+        workflow_counts = getattr(self._workflow, "counts", None)
+        if workflow_counts is not None:
+            self._workflow.load_counts(saved)  # type: ignore[attr-defined]
+        theirs = (*POOL_COUNTERS, *RUNNER_COUNTERS, *(workflow_counts or ()))
+        mine = {k: v for k, v in saved.items() if k not in theirs}  # unknown names too
         self._count = collections.Counter({k: 0 for k in MANAGER_COUNTERS}, **mine)
         if self._gate is not None:
             if state.get("gate") is not None and hasattr(self._gate, "load_state_dict"):
@@ -254,7 +258,8 @@ class RolloutManager:
 
     def counters(self) -> dict[str, float]:
         """The manager's counters, its runner's and its pool's, by name (`rollout/<name>`)."""
-        return dict(sorted({**self._count, **self._runner.counts, **self._pool.counts}.items()))
+        workflow = getattr(self._workflow, "counts", {})  # samples, turns, tool calls (workflow.py)
+        return dict(sorted({**self._count, **self._runner.counts, **self._pool.counts, **workflow}.items()))
 
     def metrics(self) -> dict[str, float]:
         """Counters since the start (`rollout/...`) and rates since the last call (`perf/...`)."""
@@ -276,6 +281,13 @@ class RolloutManager:
             "perf/weight_update_s": self._weight_update_s,
             **self._pool.prober.metrics,  # rollout/probe_*: the latest check of each engine
         })
+        if c.get("samples_scored"):  # per finished sample since the start: turns, tool tokens, calls
+            n = c["samples_scored"]
+            out["rollout/turns_per_sample"] = c["turns"] / n
+            out["rollout/tool_tokens_per_sample"] = c["tool_tokens"] / n
+            if "tool_calls" in c:
+                out["rollout/tool_calls_per_sample"] = c["tool_calls"] / n
+                out["rollout/tool_s_per_call"] = c["tool_time_s_total"] / max(c["tool_calls"], 1)
         self._window = (now, busy, c["samples_written"], c["tokens_generated"], c["reward_sum"], c["groups_written"])
         return out
 

@@ -281,6 +281,7 @@ async def _amain(args: argparse.Namespace) -> None:
     from megatron_darl.model_facts import context_limit
     from megatron_darl.rewards.pool import RewardPool
     from megatron_darl.rollout.staleness import StalenessGate
+    from megatron_darl.rollout.tools import ToolFormat, ToolRunner
     from megatron_darl.rollout.workflow import GroupWorkflow, RewardPoolScorer
 
     cfg, where = _settings(args)
@@ -293,7 +294,9 @@ async def _amain(args: argparse.Namespace) -> None:
     pool = RewardPool(cfg.reward)
     scorer = RewardPoolScorer(pool, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     gate = StalenessGate(cfg.algo.max_head_offpolicyness, cfg.train.batch_prompts, args.initial_version)
-    mgr = RolloutManager(rc, engines, loader, GroupWorkflow(rc, scorer, seed=cfg.train.seed), sink, gate,
+    tools = ToolRunner(rc, ToolFormat(rc, tokenizer)) if rc.tool != "none" else None
+    workflow = GroupWorkflow(rc, scorer, seed=cfg.train.seed, tools=tools)
+    mgr = RolloutManager(rc, engines, loader, workflow, sink, gate,
                          restarter=restarter, notice_path=where["notice"], status_path=where["status"],
                          initial_version=args.initial_version, run_id=where["run_id"])
     if where["resume"]:
@@ -303,7 +306,7 @@ async def _amain(args: argparse.Namespace) -> None:
     try:
         await mgr.arun()
     finally:
-        for close in (sink.close, ring.close, pool.close):
+        for close in (sink.close, ring.close, pool.close, *([tools.close] if tools else [])):
             close()
         await asyncio.gather(*(e.aclose() for e in mgr.pool.engines))  # restarted ones included
         if restarter is not None:

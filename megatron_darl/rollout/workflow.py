@@ -1,7 +1,8 @@
 """One prompt -> G samples -> G scored `Trajectory`s: the rollout workflow (AReaL's shape).
 
 What it is: `SampleState` (one response being generated, possibly over several requests when a
-weight update interrupts it: its tokens keep the version that sampled each of them), `Episode`
+weight update interrupts it: its tokens keep the version that sampled each of them; with tools, an
+episode of turns whose tool-output tokens have `policy_mask` 0, see `turns.py`), `Episode`
 (one drawn prompt and its G samples; JSON round trip, so a checkpoint can hold the partial
 responses of prompts in flight), the protocols a workflow needs (`SampleClient` to run one
 sample to the end, `Scorer` to reward a finished group) and `GroupWorkflow`, whose
@@ -14,10 +15,12 @@ What it is not: dispatch, retries, failure handling or weight updates (the manag
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from megatron_darl.config.rollout import RolloutConfig
+from megatron_darl.rollout.tools import ToolRunner
+from megatron_darl.rollout.turns import TurnLoop
 from megatron_darl.types import GenerateResponse, SamplingParams, Trajectory
 
 _SEED_MOD = 2**31 - 1  # SGLang seeds are int32-ranged
@@ -37,6 +40,21 @@ class SampleState:
     finish_reason: str | None = None
     segments: int = 0  # requests that contributed tokens (>1: a partial rollout continued)
     restarts: int = 0  # times partial output was discarded (partial_rollout=False)
+    # multi-turn (rollout.tool): 1 where the policy sampled the token, 0 for a tool's output (which
+    # has log-prob 0.0 and version -1); `tool_pending`: the last turn ended on a call not yet
+    # answered (a checkpoint may hold it: resume runs it); calls started and answered
+    policy_mask: list[int] = field(default_factory=list)
+    tool_pending: bool = False
+    tool_started: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.policy_mask and self.output_ids:  # a state saved before multi-turn existed
+            self.policy_mask = [1] * len(self.output_ids)
+        if len(self.policy_mask) != len(self.output_ids) or not set(self.policy_mask) <= {0, 1}:
+            raise ValueError(f"sample state: policy_mask of {len(self.policy_mask)} values in "
+                             f"{sorted(set(self.policy_mask))} for {len(self.output_ids)} output ids")
 
     @property
     def done(self) -> bool:
@@ -67,24 +85,48 @@ class SampleState:
             )
         if n > self.remaining:
             raise ValueError(f"response {resp.rid}: {n} tokens exceed the {self.remaining} requested")
-        if resp.finish_reason == "abort" and not keep_partial:
-            self.output_ids, self.logprobs, self.versions = [], [], []
+        if resp.finish_reason == "abort" and not keep_partial:  # the whole episode restarts, tool turns too
+            self.output_ids, self.logprobs, self.versions, self.policy_mask = [], [], [], []
             self.segments, self.restarts = 0, self.restarts + 1
+            self.tool_started = self.tool_calls = self.tool_failures = 0
             return
         self.output_ids += list(resp.output_ids)
         self.logprobs += [float(x) for x in resp.output_logprobs]
         self.versions += [int(v) for v in resp.output_versions]
+        self.policy_mask += [1] * n
         self.segments += 1 if n else 0
         if resp.finish_reason != "abort":
             self.finish_reason = resp.finish_reason
         elif self.remaining == 0:
             self.finish_reason = "length"  # aborted exactly at the budget: nothing to continue
 
+    def add_tool_output(self, ids: list[int], failed: bool) -> None:
+        """Answer the pending call with the tool's tokens: conditioned on, never trained."""
+        self.output_ids += [int(t) for t in ids]
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.policy_mask += [0] * len(ids)
+        self.tool_pending = False
+        self.tool_calls += 1
+        self.tool_failures += int(failed)
+
+    def turn_ids(self) -> list[int]:
+        """The tokens the policy sampled since the last tool output (all of them without one): the
+        current turn, and once the sample is done its final answer."""
+        last_tool = max((i for i, m in enumerate(self.policy_mask) if m == 0), default=-1)
+        return self.output_ids[last_tool + 1:]
+
+    @property
+    def tool_tokens(self) -> int:
+        return self.policy_mask.count(0)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "prompt_ids": self.prompt_ids, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
             "output_ids": self.output_ids, "logprobs": self.logprobs, "versions": self.versions,
             "finish_reason": self.finish_reason, "segments": self.segments, "restarts": self.restarts,
+            "policy_mask": self.policy_mask, "tool_pending": self.tool_pending,
+            "tool_started": self.tool_started, "tool_calls": self.tool_calls, "tool_failures": self.tool_failures,
         }
 
     @classmethod
@@ -157,16 +199,27 @@ def prompt_uid(prompt: Any) -> int:
 
 
 class GroupWorkflow:
-    """G samples per prompt under the config's sampling, scored together, DAPO-filtered."""
+    """G samples per prompt under the config's sampling, scored together, DAPO-filtered. With
+    `tools` (rollout.tool), a sample is an episode of turns: a turn that ends on a tool call is
+    answered with the tool's tokens and generation continues, up to `rollout.max_turns` turns
+    within the one budget `rollout.max_new_tokens`."""
 
-    def __init__(self, config: RolloutConfig, scorer: Scorer, seed: int | None = None) -> None:
+    def __init__(self, config: RolloutConfig, scorer: Scorer, seed: int | None = None,
+                 tools: ToolRunner | None = None) -> None:
         self.config = config
         self.scorer = scorer
         self.seed = seed  # None: engines pick seeds; else sample i of prompt u gets a fixed seed
+        self.tools = tools
+        self.turns = TurnLoop(config, tools)  # one request per sample, or turns around tool calls
         self.sampling = SamplingParams(
             temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-            max_new_tokens=config.max_new_tokens,
+            max_new_tokens=config.max_new_tokens, stop_token_ids=self.turns.stop_token_ids(),
         )
+        self.counts = self.turns.counts  # rollout/<name>: samples, turns, tool calls (turns.py)
+
+    def load_counts(self, saved: dict[str, float]) -> None:
+        """Restore the counters from a saved state (names the workflow does not count are ignored)."""
+        self.turns.load_counts(saved)
 
     def new_episode(self, prompt: Any) -> Episode:
         uid = prompt_uid(prompt)
@@ -185,7 +238,7 @@ class GroupWorkflow:
         )
 
     async def arun_episode(self, client: SampleClient, episode: Episode) -> list[Trajectory] | None:
-        tasks = [asyncio.ensure_future(client.agenerate_sample(s, replace(self.sampling)))
+        tasks = [asyncio.ensure_future(self.turns.arun(client, s, self.sampling))
                  for s in episode.samples if not s.done]
         try:
             await asyncio.gather(*tasks)
@@ -198,14 +251,17 @@ class GroupWorkflow:
         if len(rewards) != len(episode.samples):
             raise ValueError(f"scorer returned {len(rewards)} rewards for {len(episode.samples)} samples "
                              f"(prompt uid={episode.uid})")
+        self.turns.count_finished(episode.samples)
         if self.config.filter_equal_rewards and len(rewards) > 1 and len(set(rewards)) == 1:
             return None  # DAPO: an all-equal group has zero advantage everywhere
         return [
             Trajectory(
                 prompt_ids=episode.prompt_ids, response_ids=s.output_ids, behav_logprobs=s.logprobs,
                 behav_versions=s.versions, reward=float(r), prompt_id=episode.uid, group_id=episode.uid,
-                finish_reason=s.finish_reason or "abort",
-                metadata={"task": episode.task, "segments": s.segments, "restarts": s.restarts},
+                finish_reason=s.finish_reason or "abort", policy_mask=s.policy_mask,
+                metadata={"task": episode.task, "segments": s.segments, "restarts": s.restarts,
+                          **({"tool_calls": s.tool_calls, "tool_failures": s.tool_failures,
+                              "tool_tokens": s.tool_tokens} if self.tools is not None else {})},
             )
             for s, r in zip(episode.samples, rewards)
         ]
@@ -223,8 +279,8 @@ class RewardPoolScorer:
         from megatron_darl.rewards.api import RewardInput
 
         answer = episode.answer if isinstance(episode.answer, dict) else {"answer": episode.answer}
-        items = [
-            RewardInput(prompt=episode.question, response=self.decode(s.output_ids), kind=episode.task,
+        items = [  # the final answer: a tool's output before it is not the policy's answer
+            RewardInput(prompt=episode.question, response=self.decode(s.turn_ids()), kind=episode.task,
                         answer=answer, metadata=dict(episode.metadata))
             for s in episode.samples
         ]

@@ -110,6 +110,9 @@ class FakeEngine:
                 ids.append(tok)
                 lps.append(-0.01 * tok)
                 vers.append(self.version)
+                if tok in req.sampling.stop_token_ids:  # as SGLang: the matched token is kept
+                    reason = "stop"
+                    break
         finally:
             self.active -= 1
             if self.active == 0:
