@@ -42,8 +42,10 @@ def stop_ids(tokenizer) -> list[int]:
 async def _arun(cfg: RunConfig, urls: list[str], prompts: list, tokenizer, final_model: str | None) -> ProblemScores:
     from megatron_darl.rewards.pool import RewardPool
     from megatron_darl.rollout.sglang_client import SGLangClient
+    from megatron_darl.rollout.turns import tool_turns
 
     engines = [SGLangClient(u, api_key=cfg.rollout.api_key, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
+    turns = tool_turns(cfg.rollout, tokenizer)  # rollout.tool: samples call tools as in training
     try:
         if final_model is not None:
             final = WeightVersion(version=cfg.train.steps, weight_sync="disk", location=final_model)
@@ -53,8 +55,10 @@ async def _arun(cfg: RunConfig, urls: list[str], prompts: list, tokenizer, final
             return await aevaluate(engines, prompts, tokenizer, pool, k=cfg.eval.samples_per_problem,
                                    temperature=cfg.eval.temperature,
                                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                                   stop_token_ids=stop_ids(tokenizer), seed=cfg.train.seed)
+                                   stop_token_ids=stop_ids(tokenizer), seed=cfg.train.seed, turns=turns)
     finally:
+        if turns is not None:
+            turns.close()
         for e in engines:
             await e.aclose()
 
@@ -69,4 +73,6 @@ def evaluate_with_engines(cfg: RunConfig, urls: list[str], label: str,
     if prompts is None:
         return None, f"no held-out accuracy {label}: set data.eval_source (file sources have no eval split)"
     scores = asyncio.run(_arun(cfg, urls, prompts, tokenizer, final_model))
-    return scores, format_result(scores.result(f"held-out accuracy {label}"))
+    line = format_result(scores.result(f"held-out accuracy {label}"))
+    rate = scores.tool_call_rate()
+    return scores, line if rate is None else f"{line}; {100 * rate:.1f}% of samples called a tool"

@@ -99,6 +99,7 @@ class PeriodicEvaluator:
     def __init__(self, cfg: RunConfig, device: str | None = None):
         from megatron_darl.data.tokenizers import load_tokenizer
         from megatron_darl.eval.heldout import eval_prompts, stop_ids
+        from megatron_darl.rollout.turns import tool_turns
 
         if (cfg.eval.every_steps <= 0 and cfg.eval.every_samples <= 0) or cfg.eval.num_problems <= 0:
             raise ValueError(f"PeriodicEvaluator: eval.every_steps={cfg.eval.every_steps} or eval.every_samples="
@@ -117,6 +118,7 @@ class PeriodicEvaluator:
                              f"to 0 or add them")
         self.prompts = prompts
         self.stop_ids = stop_ids(self.tokenizer)
+        self.turns = tool_turns(cfg.rollout, self.tokenizer)  # rollout.tool: samples call tools as in training
         self.engine: DecoderEngine | None = None
         self.loaded: str | None = None
         self.pool = None
@@ -155,10 +157,13 @@ class PeriodicEvaluator:
     def _run(self, version: int, publisher: Any, generated: float | None, mark: float) -> dict[str, float]:
         t0 = time.perf_counter()
         folder = publisher.eval_folder(version)
-        r = self.evaluate_folder(folder).result("held-out")
+        scores = self.evaluate_folder(folder)
+        r = scores.result("held-out")
         out = {"eval/accuracy": r.avg_at_k, "eval/accuracy_lo": r.ci95[0], "eval/accuracy_hi": r.ci95[1],
                "eval/pass_at_k": r.pass_at_k, "eval/version": float(version), "eval/problems": float(r.num_problems),
                "eval/sample_mark": mark}
+        if scores.tool_call_rate() is not None:
+            out["eval/tool_call_rate"] = scores.tool_call_rate()
         ecfg = self.cfg.eval
         if ecfg.sampled_k > 0:
             sampled = self.evaluate_folder(folder, ecfg.sampled_k, ecfg.sampled_temperature).result("sampled")
@@ -193,12 +198,15 @@ class PeriodicEvaluator:
         return asyncio.run(aevaluate([self.engine], self.prompts, self.tokenizer, self.pool,
                                      k=k, temperature=temperature,
                                      max_new_tokens=ecfg.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                     stop_token_ids=self.stop_ids, seed=self.cfg.train.seed))
+                                     stop_token_ids=self.stop_ids, seed=self.cfg.train.seed, turns=self.turns))
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self.turns is not None:
+            self.turns.close()
+            self.turns = None
         self.engine = None
 
 

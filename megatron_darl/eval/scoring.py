@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,6 +20,8 @@ import numpy as np
 from megatron_darl.eval.api import EvalResult
 from megatron_darl.rewards.api import RewardInput
 from megatron_darl.rollout.api import RolloutEngine
+from megatron_darl.rollout.turns import TurnLoop
+from megatron_darl.rollout.workflow import SampleState
 from megatron_darl.types import GenerateRequest, SamplingParams
 
 Z95 = 1.959964  # two-sided 95% normal quantile
@@ -31,6 +33,11 @@ class ProblemScores:
 
     uids: list[int]
     scores: np.ndarray  # float [N, k]
+    tool_calls: np.ndarray | None = None  # int [N, k]: calls each sample made (evaluated with tools)
+
+    def tool_call_rate(self) -> float | None:
+        """The fraction of samples that called a tool at least once; None without tools."""
+        return None if self.tool_calls is None or not self.tool_calls.size else float((self.tool_calls > 0).mean())
 
     def result(self, name: str) -> EvalResult:
         n, k = self.scores.shape
@@ -61,7 +68,7 @@ def task_kind(task: str) -> str:
 async def aevaluate(engines: Sequence[RolloutEngine], prompts: Sequence[Any], tokenizer: Any, scorer: Any, *,
                     k: int = 1, temperature: float = 0.0, max_new_tokens: int = 256,
                     stop_token_ids: list[int] | None = None, max_concurrency: int = 256,
-                    seed: int = 0) -> ProblemScores:
+                    seed: int = 0, turns: TurnLoop | None = None) -> ProblemScores:
     """Generate k samples per prompt (spread round-robin over `engines`) and grade them.
 
     A sample scores 1 only at full marks (partial credit counts 0).
@@ -78,22 +85,28 @@ async def aevaluate(engines: Sequence[RolloutEngine], prompts: Sequence[Any], to
         max_concurrency: the most requests in flight at once, over all engines.
         seed: the evaluation seed; each (problem, sample) gets its own seed from it, so a re-run
             reproduces the same responses.
+        turns: with a tool runner (rollout.tool), each sample runs turn by turn as in training
+            (`rollout/turns.py`) and is graded on its final answer; None: one request a sample.
     """
     if not engines:
         raise ValueError("aevaluate: no engine to generate with")
     sem = asyncio.Semaphore(max_concurrency)
-    stops = list(stop_token_ids or [])
+    stops = sorted(set(stop_token_ids or []) | set(turns.stop_token_ids() if turns is not None else []))
 
-    async def one(i: int, j: int) -> str:
+    async def one(i: int, j: int) -> SampleState:
         p = prompts[i]
-        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                                seed=seed * 1_000_003 + p.uid * 97 + j)
-        req = GenerateRequest(input_ids=list(p.input_ids), sampling=params, rid=f"eval-{p.uid}-{j}")
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        sample = SampleState(list(p.input_ids), max_new_tokens, seed=seed * 1_000_003 + p.uid * 97 + j)
+        client = _EngineTurns(engines[(i * k + j) % len(engines)], f"eval-{p.uid}-{j}")
         async with sem:
-            out = await engines[(i * k + j) % len(engines)].agenerate(req)
-        return tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            if turns is None:
+                await client.agenerate_sample(sample, params)
+            else:
+                await turns.arun(client, sample, params)
+        return sample
 
-    texts = await asyncio.gather(*(one(i, j) for i in range(len(prompts)) for j in range(k)))
+    samples = await asyncio.gather(*(one(i, j) for i in range(len(prompts)) for j in range(k)))
+    texts = [tokenizer.decode(s.turn_ids(), skip_special_tokens=True) for s in samples]
     items = [RewardInput(prompt=prompts[i].question, response=texts[i * k + j], kind=task_kind(prompts[i].task),
                          answer=prompts[i].answer, metadata=dict(prompts[i].metadata))
              for i in range(len(prompts)) for j in range(k)]
@@ -101,7 +114,27 @@ async def aevaluate(engines: Sequence[RolloutEngine], prompts: Sequence[Any], to
     # accuracy counts full marks only: some verifiers give partial credit (reasoning-gym's
     # chain_sum scores "-566" for "-56" at 0.75), which is a reward shape, not a correct answer
     scores = np.array([r.score >= 1.0 for r in results], dtype=np.float64).reshape(len(prompts), k)
-    return ProblemScores(uids=[p.uid for p in prompts], scores=scores)
+    calls = np.array([s.tool_calls for s in samples], dtype=np.int64).reshape(len(prompts), k) if turns else None
+    return ProblemScores(uids=[p.uid for p in prompts], scores=scores, tool_calls=calls)
+
+
+class _EngineTurns:
+    """One evaluation sample's `SampleClient` over one engine: a request per turn, with a fresh
+    seed per turn; a response interrupted by a weight update ends the sample (as it did before
+    multi-turn evaluation: nothing continues it)."""
+
+    def __init__(self, engine: RolloutEngine, rid: str) -> None:
+        self.engine, self.rid, self.n = engine, rid, 0
+
+    async def agenerate_sample(self, sample: SampleState, sampling: SamplingParams) -> None:
+        rid = self.rid if self.n == 0 else f"{self.rid}-t{self.n}"
+        self.n += 1
+        params = replace(sampling, max_new_tokens=sample.remaining,
+                         seed=sample.seed if self.n == 1 else sample.next_seed())
+        out = await self.engine.agenerate(GenerateRequest(input_ids=sample.next_input_ids(), sampling=params, rid=rid))
+        sample.absorb(out, keep_partial=True)
+        if not sample.done:
+            sample.finish_reason = "abort"
 
 
 def format_result(r: EvalResult) -> str:

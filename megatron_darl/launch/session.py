@@ -333,10 +333,28 @@ class RunSession:
             self.log(f"held-out accuracy {100 * summary['accuracy_before']:.1f}% -> "
                      f"{100 * summary['accuracy_after']:.1f}%: gain {100 * gain:+.1f} points "
                      f"(95% CI {100 * lo:+.1f} to {100 * hi:+.1f}) on {len(before.uids)} problems")
+            if before.tool_calls is not None and after.tool_calls is not None:
+                self._tool_summary(summary, before, after)
         with open(os.path.join(info.run_dir, "summary.json"), "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=1)
         self.log(f"TensorBoard: tensorboard --logdir {summary['tensorboard']}")
         self.log(f"summary: {os.path.join(info.run_dir, 'summary.json')}")
+
+
+    def _tool_summary(self, summary: dict[str, Any], before, after) -> None:
+        """With rollout.tool: the share of samples that called the tool, before and after, paired."""
+        from megatron_darl.eval.scoring import ProblemScores, paired_difference
+
+        def called(s):
+            return ProblemScores(s.uids, (s.tool_calls > 0).astype(float))
+
+        change, lo, hi = paired_difference(called(before), called(after))
+        summary.update({"tool_call_rate_before": before.tool_call_rate(),
+                        "tool_call_rate_after": after.tool_call_rate(),
+                        "tool_call_rate_change": change, "tool_call_rate_change_ci95": [lo, hi]})
+        self.log(f"samples calling the tool {100 * summary['tool_call_rate_before']:.1f}% -> "
+                 f"{100 * summary['tool_call_rate_after']:.1f}% ({100 * change:+.1f} points, 95% CI "
+                 f"{100 * lo:+.1f} to {100 * hi:+.1f})")
 
 
 def stop_engines(info: RunInfo | None) -> None:
