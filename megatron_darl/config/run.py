@@ -64,6 +64,10 @@ class DemoConfig:
     # the warm start stops once its greedy accuracy on the held-out problems reaches this
     # (0: it runs all sft_steps); a target, not a step count, is what stays put across machines
     sft_target: float = 0.0
+    # with rollout.tool: the share of warm-start answers that call the tool (call the expression,
+    # read the answer, copy it; launch/warmstart.py) rather than answer at once. Below 1, the warm
+    # start leaves tool use to RL to learn (configs/cpu_demo_tools.yaml)
+    sft_tool_fraction: float = 0.0
     # each step lasts at least this long: the learner sleeps the rest after publishing. Emulates
     # a learner on its own hardware that is slower than generation, so that on a small shared
     # machine generation runs ahead and trained data reaches the staleness bound (experiments)
@@ -75,6 +79,8 @@ class DemoConfig:
             errs.append(("sft_steps", "must be >= 0"))
         if not 0.0 <= self.sft_target < 1.0:
             errs.append(("sft_target", "must be in [0, 1) (a held-out accuracy; 0: run all sft_steps)"))
+        if not 0.0 <= self.sft_tool_fraction <= 1.0:
+            errs.append(("sft_tool_fraction", f"{self.sft_tool_fraction}: must be in [0, 1]"))
         if self.min_step_s < 0:
             errs.append(("min_step_s", "must be >= 0 (0: no pacing)"))
         return errs
@@ -168,4 +174,8 @@ class RunConfig:
         if self.rollout.backend == "sglang" and self.rollout.weight_sync == "shm":
             errs.append(("rollout.weight_sync", "SGLang servers load weights from disk or a broadcast, "
                          "not from this node's shared memory; use disk, distributed or auto"))
+        if self.demo.sft_tool_fraction > 0 and self.rollout.tool == "none":
+            errs.append(("demo.sft_tool_fraction", f"{self.demo.sft_tool_fraction} teaches tool calls, but "
+                         "rollout.tool is none: set rollout.tool=python (and a tokenizer with the call "
+                         "tokens, e.g. model.tokenizer=builtin:demo-tools)"))
         return errs

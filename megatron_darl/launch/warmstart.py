@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_darl.config.learner import BUILTIN_MODEL, TINY_QWEN3
 from megatron_darl.launch import stopping
+from megatron_darl.launch.sft_episodes import ToolPlan, target_parts
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +114,10 @@ def _fingerprint(cfg: RunConfig, tok_dir: str) -> str:
                "source": cfg.data.source, "kwargs": dict(cfg.data.dataset_kwargs),
                "template": cfg.data.prompt_template, "chat": cfg.data.chat_template, "seed": cfg.data.seed,
                "file": [stat.st_size, stat.st_mtime_ns] if stat else None}}
+    if cfg.demo.sft_tool_fraction > 0:  # keyed only when set, as below
+        rc = cfg.rollout
+        key["tools"] = [cfg.demo.sft_tool_fraction, rc.tool, rc.tool_call_tokens, rc.tool_response_template,
+                        rc.tool_max_output_tokens]
     if cfg.data.partition != "none":  # keyed only when set: warm starts cached before the key stay valid
         key["partition"] = [cfg.data.partition, cfg.data.test_frac, cfg.data.val_frac, cfg.data.val_size]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -145,6 +150,15 @@ def _pointing(cfg: RunConfig, model_dir: str, tok_dir: str) -> RunConfig:
     return replace(cfg, model=replace(cfg.model, hf_dir=model_dir, tokenizer=tok_dir, init="hf"))
 
 
+def tool_plan(cfg: RunConfig, tok: Any) -> ToolPlan | None:
+    """With `demo.sft_tool_fraction` > 0 (and rollout.tool), which examples are tool episodes."""
+    if cfg.demo.sft_tool_fraction <= 0 or cfg.rollout.tool == "none":
+        return None
+    from megatron_darl.rollout.tools import ToolFormat
+
+    return ToolPlan(ToolFormat(cfg.rollout, tok), cfg.demo.sft_tool_fraction)
+
+
 def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
@@ -168,7 +182,7 @@ def _build_and_train(cfg: RunConfig, tok_dir: str, out: str, fingerprint: str) -
                         "demo.sft_steps=%d steps", cfg.demo.sft_target, cfg.demo.sft_steps)
             stats["sft_selected_on"] = "none"
         stats.update(supervised_steps(model, tok, loader, cfg.demo.sft_steps, held_out, cfg.demo.sft_target,
-                                      test=test))
+                                      test=test, plan=tool_plan(cfg, tok)))
         if stats.get("sft_reached_target") is False:
             log.warning("warm start: held-out greedy accuracy %.3f after all demo.sft_steps=%d steps, below "
                         "demo.sft_target=%s (raise demo.sft_steps)", stats["sft_heldout_accuracy"],
@@ -221,21 +235,27 @@ def lr_at(step: int, peak: float = SFT_LR) -> float:
     return peak * min(1.0, (step + 1) / SFT_WARMUP)
 
 
-def answer_batch(tok: Any, prompts: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompt + reference answer + end token, right-padded: (input ids, labels on the answer
-    tokens only, -100 elsewhere, attention mask)."""
+def answer_batch(tok: Any, prompts: list[Any], plan: ToolPlan | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + reference answer + end token (with `plan`, some as tool episodes:
+    `sft_episodes.target_parts`), right-padded: (input ids, labels on the trained tokens only,
+    -100 elsewhere, attention mask)."""
     import torch
 
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    seqs = [(p.input_ids, tok.encode(reference_answer(p), add_special_tokens=False) + [eos]) for p in prompts]
-    width = max(len(a) + len(b) for a, b in seqs)
+    seqs = [(list(p.input_ids), target_parts(tok, p, reference_answer(p), plan)) for p in prompts]
+    width = max(len(p) + sum(len(ids) for ids, _ in parts) for p, parts in seqs)
     ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
     attn = torch.zeros_like(ids)
-    for i, (p, a) in enumerate(seqs):
-        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
-        attn[i, : len(p) + len(a)] = 1
+    for i, (p, parts) in enumerate(seqs):
+        ids[i, : len(p)] = torch.tensor(p)
+        at = len(p)
+        for run, trained in parts:
+            ids[i, at: at + len(run)] = torch.tensor(run)
+            if trained:
+                labels[i, at: at + len(run)] = torch.tensor(run)
+            at += len(run)
+        attn[i, :at] = 1
     return ids, labels, attn
 
 
@@ -261,7 +281,8 @@ def greedy_accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
 
 
 def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, held_out: list[Any] | None = None,
-                     target: float = 0.0, batch: int = SFT_BATCH, test: list[Any] | None = None) -> dict[str, float]:
+                     target: float = 0.0, batch: int = SFT_BATCH, test: list[Any] | None = None,
+                     plan: ToolPlan | None = None) -> dict[str, float]:
     """Cross-entropy on answer tokens only (prompt masked), AdamW on the `lr_at` schedule, a
     progress bar. Held-out checks run every SFT_CHECK_EVERY steps, and every step once within
     SFT_CHECK_NEAR of `target`, so the warm start lands on the target whatever the machine's
@@ -277,12 +298,14 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
         batch: prompts per step.
         test: prompts every check also scores (`sft_test_checks`; needs `held_out`), never to stop: what
             step 0 is on the test split, beside the checks before it; None: none.
+        plan: with rollout.tool, which examples are tool episodes (`sft_episodes.ToolPlan`); the
+            checks then score those episodes' calls and answers, given the tool's output.
     """
     import torch
     from tqdm import trange
 
-    checks = answer_batch(tok, held_out) if held_out and (target > 0 or test) else None
-    test_batch = answer_batch(tok, test) if test else None
+    checks = answer_batch(tok, held_out, plan) if held_out and (target > 0 or test) else None
+    test_batch = answer_batch(tok, test, plan) if test else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.0)
     model.train()
     t0, loss_val, acc, done, every = time.time(), float("nan"), float("nan"), 0, SFT_CHECK_EVERY
@@ -293,7 +316,7 @@ def supervised_steps(model: torch.nn.Module, tok: Any, loader: Any, steps: int, 
         stopping.raise_pending()  # a preemption the launcher's handler raised into a finalizer
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        ids, labels, attn = answer_batch(tok, loader.next_batch(batch))
+        ids, labels, attn = answer_batch(tok, loader.next_batch(batch), plan)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -101,3 +101,20 @@ def test_tokenizer_spec_errors(tmp_path):
         load_tokenizer("builtin:llama")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_demo_tools_keeps_the_demo_ids_and_adds_four_single_tokens(tmp_path):
+    demo = load_tokenizer("builtin:demo", cache_dir=tmp_path)
+    tools = load_tokenizer("builtin:demo-tools", cache_dir=tmp_path)
+    assert len(tools) == len(demo) + 4
+    assert tools.encode(TEXT, add_special_tokens=False) == demo.encode(TEXT, add_special_tokens=False)
+    text = "<tool_call>12 + 3</tool_call><tool_response>15\n</tool_response>15"
+    ids = tools.encode(text, add_special_tokens=False)
+    tags = [tools.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>", "<tool_response>",
+                                                     "</tool_response>")]
+    assert tags == list(range(len(demo), len(demo) + 4))
+    assert ids[0] == tags[0] and ids[7] == tags[1] and ids[8] == tags[2] and ids[-3] == tags[3]
+    assert len(ids) == 4 + len("12 + 3") + len("15\n") + len("15")
+    assert tools.decode(ids) == text and tools.decode(ids, skip_special_tokens=True) == text
+    folders = {resolve_tokenizer_dir(spec, tmp_path).name for spec in ("builtin:demo", "builtin:demo-tools")}
+    assert len(folders) == 2, "each vocabulary has its own cache folder"

@@ -116,11 +116,11 @@ def test_a_stop_lost_in_a_finalizer_ends_the_warm_start_at_its_next_step(tmp_pat
     cfg = load_config(DEMO, [f"train.run_dir={tmp_path}", "demo.sft_steps=200", "demo.sft_target=0"])
     real, steps = warmstart.answer_batch, []
 
-    def batch(tok, prompts):
+    def batch(tok, prompts, plan=None):
         steps.append(len(prompts))
         if len(steps) == 3:
             _Finalizer()  # the stop is raised into a finalizer during the third step and lost there
-        return real(tok, prompts)
+        return real(tok, prompts, plan)
 
     monkeypatch.setattr(warmstart, "answer_batch", batch)
     try:
