@@ -1,6 +1,9 @@
 """The turns of one sample: generate, and where a turn ends on a tool call, answer it and go on.
 
-What it is: `TurnLoop.arun(client, sample, sampling)`, shared by training rollouts
+What it is: `SampleState` (one response being generated, possibly over several requests when a
+weight update interrupts it: its tokens keep the version that sampled each of them; with tools,
+its tool-output tokens have `policy_mask` 0), the `SampleClient` protocol that runs one turn of
+it on an engine, and `TurnLoop.arun(client, sample, sampling)`, shared by training rollouts
 (`workflow.GroupWorkflow`) and evaluation (`eval/scoring.py`): without tools, one request per
 sample (continued after aborts by the client); with a `ToolRunner` (rollout.tool), a turn that
 stops on the call's closing token is answered with the tool's tokens (`SampleState.add_tool_output`:
@@ -15,15 +18,129 @@ What it is not: the call's syntax or its execution (`tools.py`), dispatch to eng
 from __future__ import annotations
 
 import collections
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from megatron_darl.config.rollout import RolloutConfig
 from megatron_darl.rollout.tools import TOOL_COUNTERS, ToolRunner
-from megatron_darl.types import SamplingParams
+from megatron_darl.types import GenerateResponse, SamplingParams
 
-if TYPE_CHECKING:
-    from megatron_darl.rollout.workflow import SampleClient, SampleState
+SEED_MOD = 2**31 - 1  # SGLang seeds are int32-ranged
+
+
+@dataclass
+class SampleState:
+    """One response of a group. `output_ids[t]` was sampled by weights `versions[t]` with
+    behavior log-prob `logprobs[t]`; `finish_reason` is None until the response is complete."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    segments: int = 0  # requests that contributed tokens (>1: a partial rollout continued)
+    restarts: int = 0  # times partial output was discarded (partial_rollout=False)
+    # multi-turn (rollout.tool): 1 where the policy sampled the token, 0 for a tool's output (which
+    # has log-prob 0.0 and version -1); `tool_pending`: the last turn ended on a call not yet
+    # answered (a checkpoint may hold it: resume runs it); calls started and answered
+    policy_mask: list[int] = field(default_factory=list)
+    tool_pending: bool = False
+    tool_started: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.policy_mask and self.output_ids:  # a state saved before multi-turn existed
+            self.policy_mask = [1] * len(self.output_ids)
+        if len(self.policy_mask) != len(self.output_ids) or not set(self.policy_mask) <= {0, 1}:
+            raise ValueError(f"sample state: policy_mask of {len(self.policy_mask)} values in "
+                             f"{sorted(set(self.policy_mask))} for {len(self.output_ids)} output ids")
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    def next_input_ids(self) -> list[int]:
+        """What the next request continues from: the prompt plus the partial response."""
+        return self.prompt_ids + self.output_ids
+
+    def next_seed(self) -> int | None:
+        """A fresh seed per segment: reusing one would replay the same random stream."""
+        if self.seed is None:
+            return None
+        return (self.seed + 1_000_003 * (self.segments + 7919 * self.restarts)) % SEED_MOD
+
+    def absorb(self, resp: GenerateResponse, keep_partial: bool) -> None:
+        """Add a response's tokens. An "abort" keeps them (to continue) or drops all output so
+        far (restart under new weights); any other reason completes the sample."""
+        n = len(resp.output_ids)
+        if len(resp.output_logprobs) != n or len(resp.output_versions) != n:
+            raise ValueError(
+                f"response {resp.rid}: {n} output_ids but {len(resp.output_logprobs)} logprobs and "
+                f"{len(resp.output_versions)} versions"
+            )
+        if n > self.remaining:
+            raise ValueError(f"response {resp.rid}: {n} tokens exceed the {self.remaining} requested")
+        if resp.finish_reason == "abort" and not keep_partial:  # the whole episode restarts, tool turns too
+            self.output_ids, self.logprobs, self.versions, self.policy_mask = [], [], [], []
+            self.segments, self.restarts = 0, self.restarts + 1
+            self.tool_started = self.tool_calls = self.tool_failures = 0
+            return
+        self.output_ids += list(resp.output_ids)
+        self.logprobs += [float(x) for x in resp.output_logprobs]
+        self.versions += [int(v) for v in resp.output_versions]
+        self.policy_mask += [1] * n
+        self.segments += 1 if n else 0
+        if resp.finish_reason != "abort":
+            self.finish_reason = resp.finish_reason
+        elif self.remaining == 0:
+            self.finish_reason = "length"  # aborted exactly at the budget: nothing to continue
+
+    def add_tool_output(self, ids: list[int], failed: bool) -> None:
+        """Answer the pending call with the tool's tokens: conditioned on, never trained."""
+        self.output_ids += [int(t) for t in ids]
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.policy_mask += [0] * len(ids)
+        self.tool_pending = False
+        self.tool_calls += 1
+        self.tool_failures += int(failed)
+
+    def turn_ids(self) -> list[int]:
+        """The tokens the policy sampled since the last tool output (all of them without one): the
+        current turn, and once the sample is done its final answer."""
+        last_tool = max((i for i, m in enumerate(self.policy_mask) if m == 0), default=-1)
+        return self.output_ids[last_tool + 1:]
+
+    @property
+    def tool_tokens(self) -> int:
+        return self.policy_mask.count(0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": self.prompt_ids, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
+            "output_ids": self.output_ids, "logprobs": self.logprobs, "versions": self.versions,
+            "finish_reason": self.finish_reason, "segments": self.segments, "restarts": self.restarts,
+            "policy_mask": self.policy_mask, "tool_pending": self.tool_pending,
+            "tool_started": self.tool_started, "tool_calls": self.tool_calls, "tool_failures": self.tool_failures,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SampleState":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+class SampleClient(Protocol):
+    """Runs one sample to completion (dispatch, continuation after aborts, failover)."""
+
+    async def agenerate_sample(self, sample: SampleState, sampling: SamplingParams) -> None: ...
+
 
 # counted over finished samples: samples, their turns (1 + tool calls) and tool-output tokens
 SAMPLE_COUNTERS = ("samples_scored", "turns", "tool_tokens")
