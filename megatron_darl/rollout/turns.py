@@ -11,7 +11,8 @@ policy_mask 0, log-prob 0.0, version -1) and the next turn continues from the id
 up to `rollout.max_turns` turns within the sample's one budget (`rollout.max_new_tokens`, tool
 tokens included). A call pending when the manager stopped (`SampleState.tool_pending`, saved
 in its state) runs again on resume, counted as `tool_reruns`. `counts` is what it counts
-(`rollout/<name>`): samples, turns and tool tokens over finished samples, and the runner's counters.
+(`rollout/<name>`, with tools only): samples, turns and tool tokens over finished samples, and
+the runner's counters.
 What it is not: the call's syntax or its execution (`tools.py`), dispatch to engines (the client).
 """
 
@@ -152,7 +153,7 @@ class TurnLoop:
     def __init__(self, config: RolloutConfig, tools: ToolRunner | None = None) -> None:
         self.max_turns = int(config.max_turns)
         self.tools = tools
-        names = SAMPLE_COUNTERS + (TOOL_COUNTERS if tools is not None else ())
+        names = SAMPLE_COUNTERS + TOOL_COUNTERS if tools is not None else ()  # without tools: none (1 turn each)
         self.counts: collections.Counter[str] = collections.Counter({k: 0 for k in names})
         if tools is not None:
             tools.counts = self.counts  # one set of counters, the runner's included
@@ -211,6 +212,8 @@ class TurnLoop:
             self.tools.close()
 
     def count_finished(self, samples: list[SampleState]) -> None:
+        if self.tools is None:
+            return
         self.counts["samples_scored"] += len(samples)
         self.counts["turns"] += sum(s.tool_calls + 1 for s in samples)
         self.counts["tool_tokens"] += sum(s.tool_tokens for s in samples)
