@@ -47,11 +47,11 @@ QUICK = ["train.steps=4", "train.batch_prompts=2", "rollout.max_new_tokens=16", 
          "data.val_size=4", "eval.num_problems=8", "eval.every_steps=2"]
 
 
-def run(run_dir: str, extra: list[str], timeout_s: float) -> float:
-    """Run the recipe into `run_dir` (fresh); the command's wall seconds."""
+def run(run_dir: str, extra: list[str], timeout_s: float, recipe: str = RECIPE) -> float:
+    """Run `recipe` into `run_dir` (fresh); the command's wall seconds."""
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    cmd = [sys.executable, "-m", "megatron_darl", "train", "--config", RECIPE, f"train.run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "megatron_darl", "train", "--config", recipe, f"train.run_dir={run_dir}",
            "logging.progress=false", *extra]
     print("running:", " ".join(cmd), flush=True)
     start = time.monotonic()

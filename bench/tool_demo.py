@@ -17,33 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiment.runs import child_env
+from bench.smollm2_run import run as run_recipe
 
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "cpu_demo_tools.yaml")
 ARMS = {"tool": ["rollout.tool=python"], "no tool": ["rollout.tool=none", "demo.sft_tool_fraction=0"]}
 
 
 def run(run_dir: str, extra: list[str], timeout_s: float) -> tuple[dict, float]:
-    """One fresh run into `run_dir`: its summary.json and the command's wall seconds."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    cmd = [sys.executable, "-m", "megatron_darl", "train", "--config", RECIPE, f"train.run_dir={run_dir}",
-           "logging.progress=false", *extra]
-    print("running:", " ".join(cmd), flush=True)
-    start = time.monotonic()
-    with open(os.path.join(run_dir, "bench.log"), "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env=child_env()).returncode
-    wall = time.monotonic() - start
-    if rc != 0:
-        raise SystemExit(f"{' '.join(cmd)} exited {rc}; see {run_dir}/bench.log")
+    """One fresh run of the recipe into `run_dir` (bench/smollm2_run.py's): its summary.json and wall seconds."""
+    wall = run_recipe(run_dir, extra, timeout_s, recipe=RECIPE)
     with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as fh:
         return json.load(fh), wall
 

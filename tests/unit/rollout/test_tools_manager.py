@@ -52,9 +52,6 @@ class SlowTool:
             self.running -= 1
         return ToolResult("ok", "7", self.delay_s)
 
-    def close(self) -> None:
-        pass
-
 
 def tool_setup(n_prompts=10, delay_s=0.2):
     cfg, engines, prompts, sink, _ = make(n_prompts=n_prompts, max_new_tokens=60, tool="python", max_turns=3,
