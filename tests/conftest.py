@@ -1,6 +1,7 @@
 """Shared pytest setup: one thread per process (small CPU machines), GPU tests skip with a reason,
 and the fixtures more than one folder uses, defined once: `warm_model` (a warm-started tiny model,
-made once per session), `demo_tok` (the demo tokenizer) and `sandbox_runs_here` (the code sandbox
+made once per session), `warm_tool_model` (the same with the demo's tool tokens, taught to call
+the Python tool), `demo_tok` (the demo tokenizer) and `sandbox_runs_here` (the code sandbox
 runs on this machine). Harnesses live in `tests/helpers/`. Two plugins are registered here: the
 expected-skips check (`--expected-skips FILE`, tests/helpers/expected_skips.py: a pass whose skips
 differ from its list fails) and the measured durations (tests/helpers/durations.py: `slow` marks
@@ -69,6 +70,27 @@ def warm_model(tmp_path_factory) -> str:
     cfg_dict["model"] = {"hf_dir": "builtin:tiny-qwen3", "tokenizer": "builtin:demo"}
     cfg = load_config(write_config(os.path.join(root, "warm.yaml"), cfg_dict))
     cfg = replace(cfg, demo=replace(cfg.demo, sft_steps=SFT_STEPS))
+    return warmstart.prepare_model(cfg).model.hf_dir
+
+
+# the tool runs' rollout settings: one call, then the answer ("<tool_call>3 + 4</tool_call>",
+# "<tool_response>7\n</tool_response>", "7", EOS: 14 tokens), one tool worker so calls queue
+TOOL_ROLLOUT = {"tool": "python", "max_turns": 2, "max_new_tokens": 24, "tool_workers": 1}
+
+
+@pytest.fixture(scope="session")
+def warm_tool_model(tmp_path_factory) -> str:
+    """`warm_model` with `builtin:demo-tools` and every warm-start example a tool episode, so the
+    policy calls the tool on most samples (tests of runs with tools: test_e2e_tools.py)."""
+    from megatron_darl.config import load_config
+    from megatron_darl.launch import warmstart
+    from tests.helpers.e2e import base_config, write_config
+
+    root = str(tmp_path_factory.mktemp("warm_tools"))
+    cfg_dict = base_config(root, "builtin:tiny-qwen3", rollout=TOOL_ROLLOUT,
+                           demo={"sft_steps": 60, "sft_tool_fraction": 1.0})
+    cfg_dict["model"] = {"hf_dir": "builtin:tiny-qwen3", "tokenizer": "builtin:demo-tools"}
+    cfg = load_config(write_config(os.path.join(root, "warm.yaml"), cfg_dict))
     return warmstart.prepare_model(cfg).model.hf_dir
 
 

@@ -31,6 +31,7 @@ from megatron_darl.rollout.api import AdmissionGate, PromptProvider, RolloutEngi
 from megatron_darl.rollout.engine_pool import POOL_COUNTERS, EnginePool, EngineRestarter, Signal
 from megatron_darl.rollout.episodes import RUNNER_COUNTERS, EpisodeRunner
 from megatron_darl.rollout.notices import LearnerLink
+from megatron_darl.rollout.turns import per_sample_metrics
 from megatron_darl.rollout.workflow import Episode, RolloutWorkflow, SampleState
 from megatron_darl.types import SamplingParams, WeightVersion
 
@@ -281,13 +282,7 @@ class RolloutManager:
             "perf/weight_update_s": self._weight_update_s,
             **self._pool.prober.metrics,  # rollout/probe_*: the latest check of each engine
         })
-        if c.get("samples_scored"):  # per finished sample since the start: turns, tool tokens, calls
-            n = c["samples_scored"]
-            out["rollout/turns_per_sample"] = c["turns"] / n
-            out["rollout/tool_tokens_per_sample"] = c["tool_tokens"] / n
-            if "tool_calls" in c:
-                out["rollout/tool_calls_per_sample"] = c["tool_calls"] / n
-                out["rollout/tool_s_per_call"] = c["tool_time_s_total"] / max(c["tool_calls"], 1)
+        out.update(per_sample_metrics(c))  # with tools: turns, tool tokens and calls per finished sample
         self._window = (now, busy, c["samples_written"], c["tokens_generated"], c["reward_sum"], c["groups_written"])
         return out
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 from megatron_darl.channel.json_files import write_json_atomic
 from megatron_darl.channel.weight_notice import NoticePoller, RolloutStatus, write_status
+from megatron_darl.rollout.turns import per_sample_metrics
 from megatron_darl.types import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -101,5 +102,6 @@ class LearnerLink:
                      "rollout/engines_up": float(mgr.pool.engines_up()),
                      "rollout/inflight_groups": float(mgr.inflight_groups),
                      **mgr.pool.prober.metrics,  # rollout/probe_*: figures of each engine's last check
+                     **per_sample_metrics(c),  # with tools: turns, tool tokens, calls per finished sample
                      **extra},
         ))

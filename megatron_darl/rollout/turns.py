@@ -147,6 +147,19 @@ class SampleClient(Protocol):
 SAMPLE_COUNTERS = ("samples_scored", "turns", "tool_tokens")
 
 
+def per_sample_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """Means per finished sample since the start, from the counters (empty without tools):
+    turns, tool-output tokens, calls, and seconds per call (`rollout/<name>`)."""
+    n = counts.get("samples_scored")
+    if not n:
+        return {}
+    out = {"rollout/turns_per_sample": counts["turns"] / n, "rollout/tool_tokens_per_sample": counts["tool_tokens"] / n}
+    if "tool_calls" in counts:
+        out["rollout/tool_calls_per_sample"] = counts["tool_calls"] / n
+        out["rollout/tool_s_per_call"] = counts["tool_time_s_total"] / max(counts["tool_calls"], 1)
+    return out
+
+
 class TurnLoop:
     """Runs samples turn by turn; `tools` None: a sample is one response."""
 

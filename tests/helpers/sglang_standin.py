@@ -181,7 +181,8 @@ class StandIn:
         self.wake.set()
         out = await req.future
         self.log("/generate", 200, None, finish=out["meta_info"]["finish_reason"]["type"],
-                 versions=out["meta_info"]["weight_versions"], n=len(out["output_ids"]), mixed_tokens=req.mixed_tokens)
+                 versions=out["meta_info"]["weight_versions"], n=len(out["output_ids"]), mixed_tokens=req.mixed_tokens,
+                 input_ids=ids, output_ids=out["output_ids"], stop_token_ids=ours.stop_token_ids)
         return web.json_response(out)
 
     async def control(self, request: web.Request) -> web.Response:
