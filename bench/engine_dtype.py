@@ -1,6 +1,7 @@
 """Benchmark: the demo with an fp32 and a bf16 darl-engine: mismatch, speed, gain, probe cost.
 
-What it is: the README's demo (configs/cpu_demo_darl.yaml, learner fp32) run whole `--runs` times
+What it is: the README's demo (configs/cpu_demo_darl.yaml, learner fp32; `--config` another recipe,
+such as configs/cpu_smollm2_word_problems_darl.yaml) run whole `--runs` times
 for each engine dtype of `--dtypes`, the weight probe on, every run in a fresh folder (the warm
 start is made once and copied: it does not depend on the engine), then read back:
 - the engine-learner mismatch the learner logs each step (`algo/mismatch_*`, docs/ALGORITHM.md:
@@ -19,7 +20,8 @@ tests/faults/test_weight_probe.py what the probe catches). Timings mean somethin
 machine that runs nothing else.
 
     python3 bench/engine_dtype.py [--runs 3] [--dtypes float32 bfloat16] [--probe-tokens 256]
-                                  [--root runs/engine_dtype] [--extra KEY=VALUE ...]
+                                  [--config configs/cpu_demo_darl.yaml] [--root runs/engine_dtype]
+                                  [--extra KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -69,14 +71,14 @@ def matmul_us(dtype: str, reps: int = 200) -> float:
 
 
 def run_one(run_dir: str, dtype: str, probe_tokens: int, extra: list[str], model_from: str | None,
-            timeout_s: float) -> float:
-    """One demo run into a fresh `run_dir` (the warm start copied from `model_from` when given);
-    the command's wall seconds."""
+            timeout_s: float, config: str = DEMO) -> float:
+    """One run of `config` into a fresh `run_dir` (the warm start or converted model copied from
+    `model_from` when given); the command's wall seconds."""
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     if model_from:
         shutil.copytree(model_from, os.path.join(run_dir, "model"))
-    cmd = [sys.executable, "-m", "megatron_darl", "train", "--config", DEMO, f"train.run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "megatron_darl", "train", "--config", config, f"train.run_dir={run_dir}",
            f"rollout.engine_dtype={dtype}", f"rollout.probe_tokens={probe_tokens}", "logging.progress=false", *extra]
     print("running:", " ".join(cmd), flush=True)
     start = time.monotonic()
@@ -131,6 +133,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--probe-tokens", type=int, default=256)
+    p.add_argument("--config", default=DEMO, help="the recipe (default: the demo's)")
     p.add_argument("--root", default="runs/engine_dtype")
     p.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of the demo")
     p.add_argument("--timeout", type=float, default=1800)
@@ -143,8 +146,9 @@ def main() -> int:
     for i in range(args.runs):
         for dtype in args.dtypes:  # interleaved: a drift of the machine hits every dtype alike
             run_dir = os.path.join(root, f"{dtype}_{i}")
-            wall = run_one(run_dir, dtype, args.probe_tokens, args.extra, model, args.timeout)
-            model = model or os.path.join(run_dir, "model")
+            wall = run_one(run_dir, dtype, args.probe_tokens, args.extra, model, args.timeout, args.config)
+            made = os.path.join(run_dir, "model")  # the warm start (a packaged model is cached elsewhere)
+            model = model or (made if os.path.isdir(made) else None)
             r = read_run(run_dir, read)
             r["wall_s"] = wall
             results[dtype].append(r)
@@ -154,8 +158,8 @@ def main() -> int:
     for key, label, scale in ROWS:
         cells = [spread([None if r.get(key) is None else scale * r[key] for r in results[d]]) for d in args.dtypes]
         print(f"{label:<24}" + "".join(f"{c:<34}" for c in cells))
-    print(json.dumps({"matmul_us": matmul, "probe_tokens": args.probe_tokens, "extra": args.extra,
-                      "runs": results}))
+    print(json.dumps({"matmul_us": matmul, "config": args.config, "probe_tokens": args.probe_tokens,
+                      "extra": args.extra, "runs": results}))
     return 0
 
 
