@@ -94,10 +94,12 @@ def read_run(run_dir: str, read) -> dict:
     out = read(run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    steps = sorted((m for m in rows if "train/batch_groups" in m), key=lambda m: m.get("step", -1))[1:]
-    med = lambda key: statistics.median(v) if (v := [m[key] for m in steps if key in m]) else None  # noqa: E731
-    for k in MISMATCH:
-        out[f"mismatch_{k}"] = med(f"algo/mismatch_{k}")
+    every = sorted((m for m in rows if "train/batch_groups" in m), key=lambda m: m.get("step", -1))
+    steps = every[1:]  # timings and the probe: step 0 pays the start-up
+    med = lambda key, rows=steps: statistics.median(v) if (v := [m[key] for m in rows if key in m]) else None  # noqa: E731
+    for k in MISMATCH:  # every step that logged it: only steps with tokens at a version the learner holds do
+        out[f"mismatch_{k}"] = med(f"algo/mismatch_{k}", every)
+    out["mismatch_steps"] = sum("algo/mismatch_abs_mean" in m for m in every)
     out["probe_max_abs"] = med("rollout/probe_max_abs")
     worst = [m["rollout/probe_max_abs"] for m in steps if "rollout/probe_max_abs" in m]
     out["probe_max_abs_worst"] = max(worst) if worst else None
@@ -119,7 +121,8 @@ def spread(values: list) -> str:
     return f"{statistics.median(v):.3g} ({min(v):.3g} to {max(v):.3g})"
 
 
-ROWS = (("gain", "held-out gain (points)", 100.0), ("mismatch_abs_mean", "mean |b - p|", 1.0),
+ROWS = (("gain", "held-out gain (points)", 100.0), ("mismatch_steps", "steps with mismatch", 1.0),
+        ("mismatch_abs_mean", "mean |b - p|", 1.0),
         ("mismatch_abs_max", "max |b - p|", 1.0), ("mismatch_kl", "KL(mu || pi)", 1.0),
         ("mismatch_clip_frac", "clipped at lr 0", 1.0), ("probe_max_abs", "probe max |delta|", 1.0),
         ("probe_failures", "probe failures", 1.0), ("engine_tokens_per_s", "engine tokens/s", 1.0),
