@@ -265,10 +265,8 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
     test_e2e_resume.py, whose checks this reuses). Nothing left behind: no process names the run
     folder or remains in a process group the run had (reward workers, engines the manager
     restarted) and no `/dev/shm/darl-<run_id>-*` segment, which the run did use."""
-    import signal
-
-    from tests.helpers.e2e import DarlRun, assert_nothing_left, group_members, new_run, role_pid, run_groups
-    from tests.integration.test_e2e_resume import STEPS, _resume_config, loader_sequence, newest_checkpoint
+    from tests.helpers.e2e import group_members, kill_role, new_run, resume_to_end, run_groups
+    from tests.integration.test_e2e_resume import STEPS, loader_sequence, newest_checkpoint
 
     run = new_run(tmp_path, warm_model, "mgr", algo={"max_head_offpolicyness": 1},
                   train={"steps": STEPS}, checkpoint={"every_steps": 2, "keep_last": 2})
@@ -279,18 +277,11 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
         run_id, groups = run.run_info()["run_id"], run_groups(run)
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"darl-{run_id}-")], "no shared memory in use?"
         assert len(group_members(groups)) >= 4  # launcher, engine, rollout manager, learner
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout"), signal.SIGKILL)
-        code = run.wait(60)
-        out = run.output()
-        assert code != 0 and "process 'rollout' stopped with signal SIGKILL" in out, out[-3000:]
-        assert_nothing_left(run, run_id, groups)
+        kill_role(run, "megatron_darl.rollout", "rollout")
         ckpt_step, side = newest_checkpoint(run.run_dir)
         assert leftovers(os.path.join(run.run_dir, "checkpoints")) == [
             f"step_{s:08d}.rollout.json" for s in range(2, ckpt_step + 1, 2)][-2:]
-        cfg_path = _resume_config(run.config, os.path.join(run.run_dir, "darl_resume.yaml"))
-        resumed = DarlRun(cfg_path, run.run_dir, str(tmp_path / "resumed.out")).start()
-        assert resumed.wait(300) == 0, resumed.output()[-4000:]
-        assert_nothing_left(resumed, resumed.run_info()["run_id"])
+        resumed = resume_to_end(run, str(tmp_path / "resumed.out"), 300)
     finally:
         run.kill()
         if resumed is not None:
@@ -300,7 +291,7 @@ def test_kill_rollout_manager_then_resume_trains_every_prompt_once(tmp_path, war
     trained = [u for r in ledger for u in r["prompt_ids"]]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     drawn, inflight = side["counters"]["prompts_drawn"], {e["uid"] for e in side["episodes"]}
-    written = set(loader_sequence(cfg_path, len(trained) + 4 * 8)[:drawn]) - inflight
+    written = set(loader_sequence(resumed.config, len(trained) + 4 * 8)[:drawn]) - inflight
     assert len(written) == side["counters"]["groups_written"]
     assert written <= set(trained), f"lost across the kill: {sorted(written - set(trained))}"
 

@@ -5,7 +5,9 @@ folder holds its own model copy and config, so every process of the run names th
 its command line), `DarlRun` (a `darl-train` subprocess in its own session, with helpers to read
 its metrics, ledger and run info, and a teardown that leaves nothing behind), `role_pid`,
 `run_groups` and `assert_nothing_left` (no process names the run folder or stays in one of its
-process groups, and no `/dev/shm/darl-<run_id>-*` remains).
+process groups, and no `/dev/shm/darl-<run_id>-*` remains), `kill_role` (SIGKILL one process of a
+run: the run fails naming it and leaves nothing) and `resume_to_end` (the same config with
+`checkpoint.resume=auto`, run to a zero exit).
 What it is not: a test, or a fixture (`conftest.py` makes the warm-started model)."""
 
 from __future__ import annotations
@@ -226,3 +228,36 @@ def assert_nothing_left(run: DarlRun, run_id: str, groups: set[int] = frozenset(
                      for p in pids if os.path.exists(f"/proc/{p}/cmdline")}
             raise AssertionError(f"left behind: processes {procs}, shared memory {shm}")
         time.sleep(0.2)
+
+
+def kill_role(run: DarlRun, module: str, role: str) -> None:
+    """SIGKILL the run's `python -m <module>` process: the run must fail naming `role` and SIGKILL
+    and leave nothing behind (processes of its groups, its shared memory)."""
+    run_id, groups = run.run_info()["run_id"], run_groups(run)
+    os.kill(role_pid(run.run_dir, module), signal.SIGKILL)
+    code = run.wait(60)
+    out = run.output()
+    assert code != 0 and f"process '{role}' stopped with signal SIGKILL" in out, out[-3000:]
+    assert_nothing_left(run, run_id, groups)
+
+
+def resume_config(path: str, out: str) -> str:
+    """The config at `path` with `checkpoint.resume=auto`, written to `out`."""
+    with open(path, encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh)
+    cfg["checkpoint"]["resume"] = "auto"
+    return write_config(out, cfg)
+
+
+def resume_to_end(run: DarlRun, out_path: str, timeout_s: float) -> DarlRun:
+    """`run`'s command again with `checkpoint.resume=auto` in its folder, to a zero exit that
+    leaves nothing behind; torn down when it fails (the caller kills it after use either way)."""
+    cfg_path = resume_config(run.config, os.path.join(run.run_dir, "darl_resume.yaml"))
+    resumed = DarlRun(cfg_path, run.run_dir, out_path).start()
+    try:
+        assert resumed.wait(timeout_s) == 0, resumed.output()[-4000:]
+        assert_nothing_left(resumed, resumed.run_info()["run_id"])
+    except BaseException:
+        resumed.kill()
+        raise
+    return resumed

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
-import yaml
 
-from tests.helpers.e2e import DarlRun, assert_nothing_left, new_run, role_pid, run_groups, write_config
+from tests.helpers.e2e import kill_role, new_run, resume_to_end
 
 STEPS = 6
 
@@ -52,21 +50,12 @@ def test_kill_learner_then_resume_trains_every_prompt_once(tmp_path, warm_model)
     try:
         run.start()
         run.wait_for(lambda: len(run.ledger()) >= 3, 150, "3 trained steps (a checkpoint at step 2)")
-        run_id = run.run_info()["run_id"]
-        groups = run_groups(run)
-        os.kill(role_pid(run.run_dir, "megatron_darl.trainer"), signal.SIGKILL)
-        code = run.wait(60)
-        out = run.output()
-        assert code != 0 and "process 'learner0' stopped with signal SIGKILL" in out, out[-3000:]
-        assert_nothing_left(run, run_id, groups)
+        kill_role(run, "megatron_darl.trainer", "learner0")
         first = run.ledger()
         ckpt_step, side = newest_checkpoint(run.run_dir)
         assert 2 <= ckpt_step < STEPS
 
-        cfg_path = _resume_config(run.config, os.path.join(run.run_dir, "darl_resume.yaml"))
-        resumed = DarlRun(cfg_path, run.run_dir, str(tmp_path / "resumed.out")).start()
-        assert resumed.wait(200) == 0, resumed.output()[-4000:]
-        assert_nothing_left(resumed, resumed.run_info()["run_id"])
+        resumed = resume_to_end(run, str(tmp_path / "resumed.out"), 200)
     finally:
         run.kill()
         if resumed is not None:
@@ -85,7 +74,7 @@ def test_kill_learner_then_resume_trains_every_prompt_once(tmp_path, warm_model)
     # no prompt lost: what the manager had written at the checkpoint = drawn minus in flight
     drawn, inflight = side["counters"]["prompts_drawn"], {e["uid"] for e in side["episodes"]}
     assert side["counters"]["filtered_groups"] == 0 and side["counters"]["groups_dropped"] == 0
-    seq = loader_sequence(cfg_path, len(trained) + 4 * 8)
+    seq = loader_sequence(resumed.config, len(trained) + 4 * 8)
     written = set(seq[:drawn]) - inflight
     assert len(written) == side["counters"]["groups_written"]
     assert written <= set(trained), f"lost across the kill: {sorted(written - set(trained))}"
@@ -94,10 +83,3 @@ def test_kill_learner_then_resume_trains_every_prompt_once(tmp_path, warm_model)
     assert set(trained) <= set(seq)
     assert set(seq[: len(trained) - 2 * 8]) <= set(trained)
 
-
-def _resume_config(path: str, out: str) -> str:
-    """The same run with `checkpoint.resume=auto`."""
-    with open(path, encoding="utf-8") as fh:
-        cfg = yaml.safe_load(fh)
-    cfg["checkpoint"]["resume"] = "auto"
-    return write_config(out, cfg)

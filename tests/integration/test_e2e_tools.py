@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
 from tests.conftest import TOOL_ROLLOUT
-from tests.helpers.e2e import DarlRun, assert_nothing_left, new_run, role_pid, run_groups
+from tests.helpers.e2e import kill_role, new_run, resume_to_end
 from tests.helpers.sandbox import needs_sandbox
-from tests.integration.test_e2e_resume import _resume_config, loader_sequence, newest_checkpoint
+from tests.integration.test_e2e_resume import loader_sequence, newest_checkpoint
 from tests.integration.test_e2e_sglang import STEPS as STANDIN_STEPS
 from tests.integration.test_e2e_sglang import train_against_standin
 
@@ -60,13 +59,7 @@ def test_kill_manager_during_tool_calls_then_resume(tmp_path, warm_tool_model):
         run.start()
         run.wait_for(lambda: calls_in_flight_at_newest(run.run_dir), 200,
                      "a checkpoint that holds a tool call in flight")
-        run_id = run.run_info()["run_id"]
-        groups = run_groups(run)
-        os.kill(role_pid(run.run_dir, "megatron_darl.rollout"), signal.SIGKILL)
-        code = run.wait(60)
-        out = run.output()
-        assert code != 0 and "process 'rollout' stopped with signal SIGKILL" in out, out[-3000:]
-        assert_nothing_left(run, run_id, groups)
+        kill_role(run, "megatron_darl.rollout", "rollout")
         first = run.ledger()
         ckpt_step, side = newest_checkpoint(run.run_dir)
         assert 2 <= ckpt_step < STEPS
@@ -74,10 +67,7 @@ def test_kill_manager_during_tool_calls_then_resume(tmp_path, warm_tool_model):
         assert rerun > 0, "the kill came after a newer checkpoint without a call in flight"
         assert side["counters"]["tool_calls"] > 0
 
-        cfg_path = _resume_config(run.config, os.path.join(run.run_dir, "darl_resume.yaml"))
-        resumed = DarlRun(cfg_path, run.run_dir, str(tmp_path / "resumed.out")).start()
-        assert resumed.wait(240) == 0, resumed.output()[-4000:]
-        assert_nothing_left(resumed, resumed.run_info()["run_id"])
+        resumed = resume_to_end(run, str(tmp_path / "resumed.out"), 240)
     finally:
         run.kill()
         if resumed is not None:
@@ -90,7 +80,7 @@ def test_kill_manager_during_tool_calls_then_resume(tmp_path, warm_tool_model):
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     drawn, inflight = side["counters"]["prompts_drawn"], {e["uid"] for e in side["episodes"]}
     assert side["counters"]["groups_dropped"] == 0
-    written = set(loader_sequence(cfg_path, drawn)) - inflight
+    written = set(loader_sequence(resumed.config, drawn)) - inflight
     assert written <= set(trained), f"lost across the kill: {sorted(written - set(trained))}"
 
     last_step, last = newest_checkpoint(run.run_dir)
