@@ -42,9 +42,10 @@ def _darl(*extra: str) -> tuple[str, ...]:
 
 
 def _darl_published(*extra: str) -> tuple[str, ...]:
-    """The published D-ARL and its ablations: selection may let a reused group displace a
-    never-trained one (`algo.sg_new_first=false`), the code path their published runs took."""
-    return _darl("algo.sg_new_first=false", *extra)
+    """The D-ARL of the first published runs and its ablations: the clip at the proximal policy
+    (`algo.trust_anchor=proximal`, the default of those runs) and selection that may let a reused
+    group displace a never-trained one (`algo.sg_new_first=false`), the code path they took."""
+    return _darl("algo.trust_anchor=proximal", "algo.sg_new_first=false", *extra)
 
 
 # Replay depth: the behavior versions a group can be replayed from. New data of step t is of

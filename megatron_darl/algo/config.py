@@ -53,11 +53,13 @@ class AlgoConfig:
     adv_eps: float = 1e-6  # std floor of GRPO normalisation
     ppo_n_minibatches: int = 4  # optimizer steps per train step (a seeded random partition of the batch)
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
-    # darl only: where the PPO clip of the per-version objective is anchored. "proximal" (the published
-    # form): r = exp(q - p) clipped, times rho = min(exp(p - b), C). "behavior": R = exp(q - b) against each
-    # sample's own behavior policy, clipped, no rho (a trust region that holds across a sample's reuses).
-    # "mixture": R = pi_theta / sum_k alpha_k mu_k, clipped (needs pmis_beta=balance)
-    trust_anchor: str = "proximal"
+    # darl only: where the PPO clip of the per-version objective is anchored. null (the default) means
+    # "behavior" under policy_loss=darl (see `anchor`). "behavior": R = exp(q - b) against each sample's own
+    # behavior policy, clipped, no rho: a trust region that holds across a sample's reuses. "proximal": the
+    # form read from AReaL's decoupled objective, r = exp(q - p) clipped, times rho = min(exp(p - b), C),
+    # re-anchored every step (budget2 refutes it under reuse, docs/results/README.md). "mixture":
+    # R = pi_theta / sum_k alpha_k mu_k, clipped (needs pmis_beta=balance)
+    trust_anchor: str | None = None
 
     # ---- the replay window
     replay: bool = True  # false: every group is trained once then dropped (the baselines); no age eviction
@@ -122,6 +124,14 @@ class AlgoConfig:
         return self.uses_proximal or (self.recompute_proximal and self.policy_loss == "ppo")
 
     @property
+    def anchor(self) -> str:
+        """Where the loss anchors its PPO clip: `trust_anchor`, or when it is null "behavior" for
+        policy_loss=darl and "proximal" (the only anchor they have) for the other losses."""
+        if self.trust_anchor is not None:
+            return self.trust_anchor
+        return "behavior" if self.policy_loss == "darl" else "proximal"
+
+    @property
     def effective_max_reuse(self) -> int:
         """How many times a group may be trained: 1 with replay off, else `max_reuse` or K."""
         if not self.replay:
@@ -169,7 +179,7 @@ class AlgoConfig:
         return errors + self._anchor_errors()
 
     def _anchor_errors(self) -> list[tuple[str, str]]:
-        if self.trust_anchor == "proximal":
+        if self.anchor == "proximal":
             return []
         errors = []
         if self.policy_loss != "darl":
@@ -177,9 +187,11 @@ class AlgoConfig:
                            f"objective: it needs policy_loss=darl (got {self.policy_loss!r}); baselines keep "
                            "trust_anchor=proximal (naive async is policy_loss=ppo with old_logprob=behavior)"))
         if self.behav_clip is not None:
-            errors.append(("behav_clip", f"trust_anchor={self.trust_anchor} clips the ratio against the behavior "
-                           "side already; behav_clip (a mask on exp(p - b)) belongs to trust_anchor=proximal"))
-        if self.trust_anchor == "mixture" and (self.pmis_beta != "balance" or not self.pmis):
+            dflt = " (policy_loss=darl's default)" if self.trust_anchor is None else ""
+            which = f"trust_anchor={self.anchor}{dflt}"
+            errors.append(("behav_clip", f"{which} clips the ratio against the behavior side already; behav_clip "
+                           "(a mask on exp(p - b)) belongs to trust_anchor=proximal"))
+        if self.anchor == "mixture" and (self.pmis_beta != "balance" or not self.pmis):
             errors.append(("trust_anchor", "trust_anchor=mixture clips against the balance mixture "
                            "sum_k alpha_k mu_k: it needs pmis=true and pmis_beta=balance"))
         return errors

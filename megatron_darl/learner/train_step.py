@@ -198,7 +198,7 @@ def policy_loss(a: AlgoConfig, consts: dict, mb: dict, logp: torch.Tensor, entro
         loss, m = algo.darl_policy_loss(logp, prox, behav, adv, mask, mb["versions"], **_is_kwargs(a),
                                         pmis=consts["pmis"], beta=consts["beta"], version_token_counts=consts["counts"],
                                         behav_logp_by_version=by_version, mixture_counts=consts.get("mix"),
-                                        anchor=a.trust_anchor, **common, **_behav_clip(a))
+                                        anchor=a.anchor, **common, **_behav_clip(a))
     elif a.policy_loss == "sg_weight":
         loss, m = algo.sg_policy_loss(logp, behav, adv, mask, threshold=a.rollout_is_threshold, loss_denominator=den)
     else:

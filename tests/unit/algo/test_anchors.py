@@ -131,4 +131,4 @@ def test_anchor_options_that_mean_nothing_are_refused():
         algo.darl_policy_loss(logp, prox, behav, adv, mask, versions, anchor="behavior", behav_clip="mask")
     with pytest.raises(ValueError, match="behav_logp_by_version"):
         algo.anchor_log_prob("mixture", behav, mask)
-    assert CONFIG_ANCHORS == algo.TRUST_ANCHORS and AlgoConfig().trust_anchor == "proximal"
+    assert CONFIG_ANCHORS == algo.TRUST_ANCHORS and AlgoConfig().anchor == "behavior"

@@ -119,6 +119,22 @@ def test_trust_anchor_is_d_arl_s_and_mixture_needs_the_balance_mixture():
     assert AlgoConfig._choices["trust_anchor"] == ("proximal", "behavior", "mixture")
 
 
+def test_d_arl_anchors_at_the_behavior_policy_unless_told_and_baselines_keep_theirs():
+    assert AlgoConfig().trust_anchor is None and AlgoConfig().anchor == "behavior"
+    for loss, extra in (("ppo", dict(old_logprob="behavior")), ("decoupled", {}), ("sg_weight", {})):
+        cfg = AlgoConfig(policy_loss=loss, **extra, **BASELINE)
+        assert cfg.anchor == "proximal" and cfg.check() == []
+    assert AlgoConfig(trust_anchor="proximal").anchor == "proximal"
+    # behav_clip belongs to the proximal anchor: refused under the default, named as the default
+    errors = dict(AlgoConfig(behav_clip=5.0).check())
+    assert list(errors) == ["behav_clip"] and "trust_anchor=behavior (policy_loss=darl's default)" in errors["behav_clip"]
+    assert AlgoConfig(trust_anchor="proximal", behav_clip=5.0).check() == []
+    from megatron_darl.config import load_config
+
+    assert load_config(None, ["model.hf_dir=/m"]).algo.anchor == "behavior"
+    assert load_config(None, ["model.hf_dir=/m", "algo.trust_anchor=proximal"]).algo.anchor == "proximal"
+
+
 def test_selection_fills_the_batch_with_never_trained_groups_first_by_default():
     assert AlgoConfig().sg_new_first is True
 

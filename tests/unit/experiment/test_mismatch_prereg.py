@@ -50,7 +50,15 @@ def test_budget2s_published_design_is_what_the_code_still_writes():
     with open(os.path.join(ROOT, "docs", "results", "budget2", "results.json"), encoding="utf-8") as fh:
         published = json.load(fh)["design"]
     now = json.loads(json.dumps(R.design(SIZES["budget2"])))
+    # the cells that ran under the anchor's former default (proximal) now name it; nothing else changed
+    pinned = "algo.trust_anchor=proximal"
+    named = {name for name, cell in now["cells"].items() if pinned in cell["overrides"]}
+    for cell in now["cells"].values():
+        cell["overrides"] = [o for o in cell["overrides"] if o != pinned]
     assert now == published and "default_rule" not in now and "question" not in now
+    unset = {name for name, cell in published["cells"].items() if "algo.policy_loss=darl" in cell["overrides"]
+             and not any(o.startswith("algo.trust_anchor=") for o in cell["overrides"])}
+    assert named == unset == {"darl"}
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8"])

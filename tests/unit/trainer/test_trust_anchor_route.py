@@ -59,7 +59,8 @@ def test_behavior_anchored_darl_with_one_version_and_token_beta_is_naive_async_p
     n_loss, n_grad, n_m = _head(naive, batch, logp)
     assert d_loss == pytest.approx(n_loss, rel=1e-6)
     torch.testing.assert_close(d_grad, n_grad, rtol=1e-6, atol=1e-9)
-    published, _, p_m = _head(AlgoConfig(policy_loss="darl", pmis_beta="tokens", ppo_n_minibatches=1), batch, logp)
+    published, _, p_m = _head(AlgoConfig(policy_loss="darl", trust_anchor="proximal", pmis_beta="tokens",
+                                         ppo_n_minibatches=1), batch, logp)
     assert abs(published - n_loss) > 1e-3  # the proximal-anchored form is another loss
     # the clip against b, in every cell: naive's own clip fraction, and the same figure for the others
     assert d_m["algo/clip_frac_behavior"] == pytest.approx(n_m["algo/clip_frac"]) and n_m["algo/clip_frac"] > 0
@@ -130,7 +131,8 @@ def test_a_real_learner_step_anchored_at_the_behavior_policy_is_naive_async_ppo(
     try:
         m_naive, p_naive = _learner_step(hf, naive, batch)
         m_darl, p_darl = _learner_step(hf, darl, batch)
-        m_pub, p_pub = _learner_step(hf, AlgoConfig(policy_loss="darl", pmis_beta="tokens", k=1, sg=False), batch)
+        m_pub, p_pub = _learner_step(hf, AlgoConfig(policy_loss="darl", trust_anchor="proximal", pmis_beta="tokens",
+                                                    k=1, sg=False), batch)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -142,5 +144,17 @@ def test_a_real_learner_step_anchored_at_the_behavior_policy_is_naive_async_ppo(
     assert m_darl["algo/clip_frac_behavior"] == pytest.approx(m_naive["algo/clip_frac"])
     # naive async logs the drift figures of every cell: ESS and KL of exp(p - b)
     assert 0 < m_naive["algo/ess_frac"] < 1 and m_naive["algo/kl_k3"] > 0
-    # the published proximal-anchored form is another update: the comparison can fail
+    # the proximal-anchored form is another update: the comparison can fail
     assert abs(m_pub["train/grad_norm"] - m_naive["train/grad_norm"]) > 1e-4 * m_naive["train/grad_norm"]
+
+
+def test_d_arl_without_an_anchor_set_trains_the_behavior_anchored_loss():
+    batch = _batch([3, 3, 4, 4, 5, 5, 5, 5], seed=5)
+    logp = _logp(batch, seed=4)
+    kw = dict(policy_loss="darl", pmis_beta="ess", ppo_n_minibatches=1)
+    default, d_grad, _ = _head(AlgoConfig(**kw), batch, logp, pmis="ess")
+    behavior, b_grad, _ = _head(AlgoConfig(trust_anchor="behavior", **kw), batch, logp, pmis="ess")
+    proximal, _, _ = _head(AlgoConfig(trust_anchor="proximal", **kw), batch, logp, pmis="ess")
+    assert AlgoConfig(**kw).trust_anchor is None and AlgoConfig(**kw).anchor == "behavior"
+    assert default == behavior and torch.equal(d_grad, b_grad)
+    assert abs(default - proximal) > 1e-3  # the other anchor is another loss: the check can fail
