@@ -6,7 +6,9 @@ for each engine dtype of `--dtypes`, the weight probe on, every run in a fresh f
 start is made once and copied: it does not depend on the engine), then read back:
 - the engine-learner mismatch the learner logs each step (`algo/mismatch_*`, docs/ALGORITHM.md:
   mean and max |behavior - learner log-prob| at the same version, KL(mu || pi) and the share of
-  tokens a PPO ratio would clip at lr = 0), median over a run's steps;
+  tokens a PPO ratio would clip at lr = 0), median over the steps that logged it: only steps with
+  tokens at a version the learner holds do, and `--extra learner.mismatch_every=1` makes every
+  step hold the versions of its fresh tokens ("steps with mismatch", "tokens compared");
 - the weight probe (`rollout/probe_max_abs`: what each version's check saw; its cost, the
   learner's forward `perf/probe_learner_s` against the step `perf/step_s`, and the engine's check
   `rollout/probe_s`, which runs inside the weight update);
@@ -42,7 +44,7 @@ sys.path.insert(0, ROOT)
 from experiment.runs import child_env  # noqa: E402 (the checkout first on the path)
 
 DEMO = os.path.join(ROOT, "configs", "cpu_demo_darl.yaml")
-MISMATCH = ("abs_mean", "abs_max", "kl", "clip_frac")
+MISMATCH = ("abs_mean", "abs_max", "kl", "clip_frac", "tokens_frac")
 
 
 def _smollm2_read():
@@ -124,7 +126,8 @@ def spread(values: list) -> str:
 ROWS = (("gain", "held-out gain (points)", 100.0), ("mismatch_steps", "steps with mismatch", 1.0),
         ("mismatch_abs_mean", "mean |b - p|", 1.0),
         ("mismatch_abs_max", "max |b - p|", 1.0), ("mismatch_kl", "KL(mu || pi)", 1.0),
-        ("mismatch_clip_frac", "clipped at lr 0", 1.0), ("probe_max_abs", "probe max |delta|", 1.0),
+        ("mismatch_clip_frac", "clipped at lr 0", 1.0), ("mismatch_tokens_frac", "tokens compared", 1.0),
+        ("probe_max_abs", "probe max |delta|", 1.0),
         ("probe_failures", "probe failures", 1.0), ("engine_tokens_per_s", "engine tokens/s", 1.0),
         ("step_s", "step s", 1.0), ("probe_learner_s", "probe learner s", 1.0),
         ("probe_learner_frac", "probe / step", 1.0), ("probe_engine_s", "probe engine s", 1.0),

@@ -332,8 +332,9 @@ def darl_policy_loss(
         behav_logp_by_version: `{k: log mu_k}` `[B, T]`, required by `pmis="balance"`; unused otherwise.
         mixture_counts: `{k: N_k}` for `balance`'s `alpha_k`, e.g. `version_token_counts(token_versions,
             mask)` of the whole batch, so each token counts for its own version; None: `version_token_counts`.
-        anchor: where the PPO clip is anchored: `proximal` (the published form), `behavior` or `mixture`
-            (needs `behav_logp_by_version`, `alpha_k` from `mixture_counts`); `surrogate="clip"` only.
+        anchor: where the PPO clip is anchored: `proximal` (L_k as AReaL's decoupled objective reads it),
+            `behavior` or `mixture` (needs `behav_logp_by_version`, `alpha_k` from `mixture_counts`);
+            `surrogate="clip"` only.
     """
     if surrogate not in SURROGATES:
         raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")

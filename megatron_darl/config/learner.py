@@ -159,9 +159,17 @@ class LearnerConfig:
     # fraction of each learner GPU held by rollout engines placed on the same GPUs (SGLang's
     # --mem-fraction-static); 0 when the engines run on GPUs of their own (launch.rollout_nodes)
     engine_memory_fraction: float = 0.0
+    # every N train steps (0: never), score the batch again with the weights of each behavior
+    # version its tokens came from, so `algo/mismatch_*` (the engine's log-probs against the
+    # learner's at the token's own version) covers every token of the last eta versions, not only
+    # those of the current one. Costs one forward pass per version on those steps, and CPU copies
+    # of the parameters of up to eta versions (at most 2 GiB in all, else the learner refuses)
+    mismatch_every: int = 0
 
     def check(self) -> list[tuple[str, str]]:
         errors = []
+        if self.mismatch_every < 0:
+            errors.append(("mismatch_every", f"must be >= 0 (0: never), got {self.mismatch_every}"))
         if self.micro_batch_tokens < 1:
             errors.append(("micro_batch_tokens", "must be >= 1"))
         if self.logprob_chunk_tokens < 0:

@@ -24,7 +24,7 @@ from megatron_darl.learner.collectives import broadcast_arrays
 from megatron_darl.learner.logprobs import config_multiple, run_schedule
 from megatron_darl.learner.packing import dp_lockstep, pad_batch, rank_micro_batches
 from megatron_darl.learner.parallel import destroy_parallel, init_parallel
-from megatron_darl.learner.snapshots import PolicySnapshots, choose_mode
+from megatron_darl.learner.snapshots import SNAPSHOT_BUDGET_BYTES, PolicySnapshots, choose_mode
 from megatron_darl.learner.train_step import setup_training, train_step
 from megatron_darl.types import TrainBatch
 
@@ -78,8 +78,37 @@ class MegatronLearner:
         # "interpolate" approximates log mu_k from b and p; None for the other beta_k rules
         self.balance_mode = (choose_mode(algo_cfg.balance_snapshots, algo_cfg.k, param_bytes)
                              if pmis == "balance" else None)
-        self.snapshots = PolicySnapshots([p for c in self.chunks for p in c.parameters()], algo_cfg.k) \
-            if self.balance_mode == "exact" else None
+        try:
+            keep = max(algo_cfg.k if self.balance_mode == "exact" else 0, self._mismatch_versions(param_bytes))
+        except ValueError:
+            self.close(keep_world=True)  # a caller that catches it may build another learner
+            raise
+        self.snapshots = PolicySnapshots([p for c in self.chunks for p in c.parameters()], keep) if keep else None
+
+    def _mismatch_versions(self, param_bytes: int) -> int:
+        """How many previous versions `learner.mismatch_every` keeps: eta (0 when off)."""
+        eta = self.algo_cfg.max_head_offpolicyness
+        if not (self.learner_cfg.mismatch_every and eta):
+            return 0
+        if eta * param_bytes > SNAPSHOT_BUDGET_BYTES:
+            raise ValueError(
+                f"learner.mismatch_every={self.learner_cfg.mismatch_every} keeps CPU copies of the last "
+                f"algo.max_head_offpolicyness={eta} versions: {eta * param_bytes / 2**30:.1f} GiB, above "
+                f"the {SNAPSHOT_BUDGET_BYTES / 2**30:g} GiB budget; set learner.mismatch_every=0")
+        return eta
+
+    def _keeps(self, version: int) -> bool:
+        """Whether the weights published as `version` are kept: always for exact balance, else
+        when a step that measures the mismatch (`measures_mismatch`) may train its tokens."""
+        if self.balance_mode == "exact":
+            return True
+        eta = self.algo_cfg.max_head_offpolicyness
+        return any(self.measures_mismatch(version + d) for d in range(1, eta + 1))
+
+    def measures_mismatch(self, step: int) -> bool:
+        """Whether train step `step` scores its batch with every kept version (`learner.mismatch_every`)."""
+        every = self.learner_cfg.mismatch_every
+        return bool(every) and step % every == 0
 
     # ---- protocol ----
     @property
@@ -123,7 +152,7 @@ class MegatronLearner:
     def compute_version_logprobs(self, batch: TrainBatch, versions: list[int]) -> dict[int, np.ndarray]:
         """`{v: log-probs [B, L]}` under the weights of each policy version v in `versions` that
         is available: the current one (`v == step`) or a kept snapshot (`pmis="balance"` with
-        exact snapshots). Versions without weights (older than K, from before a resume, or
+        exact snapshots, or `learner.mismatch_every`). Versions without weights (older than K, from before a resume, or
         interpolate mode) are left out: the train step interpolates them. The live parameters
         are restored bit for bit."""
         out = {}
@@ -138,7 +167,7 @@ class MegatronLearner:
     def train_step(self, batch: TrainBatch, beta: dict[int, float] | None = None) -> dict[str, float]:
         """`algorithm.ppo_n_minibatches` optimizer steps on `batch` (which must carry
         `prox_logprobs` when the loss reads them); returns metrics (same on every rank)."""
-        if self.snapshots is not None:
+        if self.snapshots is not None and self._keeps(self.step):
             self.snapshots.keep(self.step)  # the weights published as version `step` (0: initial)
         # widths padded for FP8 / sequence parallel before packing, so the budget counts them
         metrics = train_step(self.ddp, self.optimizer, self.scheduler, pad_batch(batch, self.seq_multiple),

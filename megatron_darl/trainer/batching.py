@@ -149,7 +149,9 @@ def prepare_batch(cfg, learner, cands: Candidates | None, step: int) -> tuple[Tr
         train = learner.broadcast_batch(candidate_batch(kept, cfg.algo) if main else None)
         if cfg.algo.computes_proximal:  # read by the loss, or (naive async) by the drift diagnostics
             train.prox_logprobs = timed("perf/recompute_s", learner.compute_logprobs, train)
-    if learner.pmis == "balance":  # log mu_k of every version with kept weights (the current one is p)
+    # log mu_k of every version with kept weights (the current one is p): balance's, or the
+    # engine-learner mismatch of every token at its own version (learner.mismatch_every)
+    if learner.pmis == "balance" or learner.measures_mismatch(step):
         versions = set(train.token_versions[train.loss_mask > 0].tolist()) | set(train.versions.tolist())
         train.behav_logprobs_by_version = timed("perf/recompute_s", learner.compute_version_logprobs, train,
                                                 sorted(versions - {step}))

@@ -49,7 +49,7 @@ def test_behavior_anchor_matches_the_per_token_loop(seed, pmis):
     want = _naive_anchored(logp.tolist(), behav.tolist(), adv.tolist(), mask.tolist(), versions.tolist(), beta)
     assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
     proximal, _ = algo.darl_policy_loss(logp, prox, behav, adv, mask, versions, pmis=pmis)
-    assert abs(proximal.item() - want) > 1e-4  # the published form is another loss: the check can fail
+    assert abs(proximal.item() - want) > 1e-4  # the proximal form is another loss: the check can fail
     assert float(metrics["algo/clip_frac"]) > 0  # the clip acts against b at theta = theta_prox
 
 

@@ -127,7 +127,8 @@ def test_d_arl_anchors_at_the_behavior_policy_unless_told_and_baselines_keep_the
     assert AlgoConfig(trust_anchor="proximal").anchor == "proximal"
     # behav_clip belongs to the proximal anchor: refused under the default, named as the default
     errors = dict(AlgoConfig(behav_clip=5.0).check())
-    assert list(errors) == ["behav_clip"] and "trust_anchor=behavior (policy_loss=darl's default)" in errors["behav_clip"]
+    assert list(errors) == ["behav_clip"]
+    assert "trust_anchor=behavior (policy_loss=darl's default)" in errors["behav_clip"]
     assert AlgoConfig(trust_anchor="proximal", behav_clip=5.0).check() == []
     from megatron_darl.config import load_config
 

@@ -77,7 +77,7 @@ def test_balance_on_one_version_is_plain_is():
 
 def test_interpolation_is_flagged_and_exact_versions_are_used():
     batch, logp = _batch([3, 3, 2, 2, 3, 3, 2, 2])
-    a = AlgoConfig(policy_loss="darl", ppo_n_minibatches=1)
+    a = AlgoConfig(policy_loss="darl", trust_anchor="proximal", ppo_n_minibatches=1)  # the reference's anchor
     rows = np.arange(batch.batch_size)
     interp, m = minibatch_constants(a, batch, rows, None, "balance", prox_version=4)
     assert m["algo/balance_exact"] == 0.0 and m["algo/balance_interpolated"] == 2.0

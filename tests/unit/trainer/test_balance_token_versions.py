@@ -56,7 +56,7 @@ def _reference_loss(batch: TrainBatch, logp: np.ndarray) -> float:
 def test_balance_uses_each_tokens_own_version():
     batch = _batch()
     logp = batch.prox_logprobs + 0.05 * np.random.default_rng(1).normal(size=batch.tokens.shape)
-    a = AlgoConfig(policy_loss="darl", rollout_is="token", rollout_is_threshold=1e6,
+    a = AlgoConfig(policy_loss="darl", trust_anchor="proximal", rollout_is="token", rollout_is_threshold=1e6,
                         rollout_is_veto_threshold=None, ppo_n_minibatches=1)
     rows = np.arange(batch.batch_size)
     whole, metrics = minibatch_constants(a, batch, rows, None, "balance", prox_version=PROX_VERSION)

@@ -66,7 +66,7 @@ def test_minibatches_are_a_seeded_random_partition_of_whole_groups():
 
 def test_beta_and_counts_are_whole_batch_constants_in_every_minibatch():
     batch = _selected_batch()
-    a = AlgoConfig(policy_loss="darl", rollout_is="token", ppo_n_minibatches=2)
+    a = AlgoConfig(policy_loss="darl", trust_anchor="proximal", rollout_is="token", ppo_n_minibatches=2)
     everything = np.arange(batch.batch_size)
     whole, metrics = minibatch_constants(a, batch, everything, None, "ess")
     want = _ess_beta(batch, everything)
@@ -92,7 +92,7 @@ def test_a_minibatch_of_beta_tokens_is_its_token_mean_and_ess_is_the_whole_batch
     batch = _selected_batch(1)
     logp = torch.tensor(batch.prox_logprobs + 0.05 * np.random.default_rng(2).normal(size=batch.tokens.shape),
                         dtype=torch.float32)
-    darl = AlgoConfig(policy_loss="darl", rollout_is="token", ppo_n_minibatches=2)
+    darl = AlgoConfig(policy_loss="darl", trust_anchor="proximal", rollout_is="token", ppo_n_minibatches=2)
     verl = AlgoConfig(policy_loss="ppo", old_logprob="proximal", rollout_is="token", ppo_n_minibatches=2)
     everything = np.arange(batch.batch_size)
     tok, _ = minibatch_constants(darl, batch, everything, None, "tokens")

@@ -24,6 +24,9 @@ class FakeLearner:
     def broadcast_batch(self, batch):
         return batch
 
+    def measures_mismatch(self, step):
+        return False
+
     def compute_logprobs(self, batch):
         self.recomputed.append(batch.batch_size)
         drift = 0.05 * (batch.prompt_ids % 7)[:, None] * batch.loss_mask
