@@ -178,4 +178,8 @@ class RunConfig:
             errs.append(("demo.sft_tool_fraction", f"{self.demo.sft_tool_fraction} teaches tool calls, but "
                          "rollout.tool is none: set rollout.tool=python (and a tokenizer with the call "
                          "tokens, e.g. model.tokenizer=builtin:demo-tools)"))
+        if self.learner.mismatch_every and not self.algo.computes_proximal:
+            errs.append(("learner.mismatch_every", f"{self.learner.mismatch_every} compares the engine's log-probs "
+                         "with the learner's, which this loss does not compute (algo.recompute_proximal=false): "
+                         "set algo.recompute_proximal=true or learner.mismatch_every=0"))
         return errs

@@ -152,9 +152,9 @@ class MegatronLearner:
     def compute_version_logprobs(self, batch: TrainBatch, versions: list[int]) -> dict[int, np.ndarray]:
         """`{v: log-probs [B, L]}` under the weights of each policy version v in `versions` that
         is available: the current one (`v == step`) or a kept snapshot (`pmis="balance"` with
-        exact snapshots, or `learner.mismatch_every`). Versions without weights (older than K, from before a resume, or
-        interpolate mode) are left out: the train step interpolates them. The live parameters
-        are restored bit for bit."""
+        exact snapshots, or `learner.mismatch_every`). Versions without weights (older than K or
+        eta, from before a resume, or interpolate mode) are left out: the train step interpolates
+        them. The live parameters are restored bit for bit."""
         out = {}
         for v in sorted({int(v) for v in versions}):
             if v == self.step:

@@ -159,6 +159,16 @@ def test_rollout_restart_without_abort_is_refused():
         load_config(None, MODEL + ["rollout.partial_rollout=false", "rollout.pause_mode=in_place"])
 
 
+def test_mismatch_every_needs_the_learners_log_probs():
+    naive = ["algo.policy_loss=ppo", "algo.old_logprob=behavior", "algo.replay=false", "algo.sg=false",
+             "algo.pmis=false"]
+    assert load_config(None, MODEL + naive + ["learner.mismatch_every=5"]).learner.mismatch_every == 5
+    with pytest.raises(ConfigError, match=r"learner\.mismatch_every: 5 compares .* algo\.recompute_proximal=true"):
+        load_config(None, MODEL + naive + ["algo.recompute_proximal=false", "learner.mismatch_every=5"])
+    with pytest.raises(ConfigError, match=r"learner\.mismatch_every: must be >= 0"):
+        load_config(None, MODEL + ["learner.mismatch_every=-1"])
+
+
 def test_distributed_weight_sync_loads_with_a_bounded_timeout():
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync='nccl': allowed values are 'auto', 'shm', 'disk', "
                                           r"'distributed'"):
