@@ -125,8 +125,9 @@ class AlgoConfig:
 
     @property
     def anchor(self) -> str:
-        """Where the loss anchors its PPO clip: `trust_anchor`, or when it is null "behavior" for
-        policy_loss=darl and "proximal" (the only anchor they have) for the other losses."""
+        """D-ARL's clip anchor: `trust_anchor`, or when it is null "behavior" for policy_loss=darl
+        and "proximal" for the other losses, the one value they accept (they do not read it: their
+        ratio's denominator is `old_logprob`)."""
         if self.trust_anchor is not None:
             return self.trust_anchor
         return "behavior" if self.policy_loss == "darl" else "proximal"

@@ -1,5 +1,7 @@
-"""K=1, selection off, `pmis=tokens` D-ARL is the decoupled (verl-style) objective, in the learner
-and end to end through the training loop's data path.
+"""K=1, selection off, `pmis=tokens` D-ARL clipped at the proximal policy
+(`algo.trust_anchor=proximal`) is the decoupled (verl-style) objective, in the learner and end to
+end through the training loop's data path. (At its default anchor, `behavior`, it is naive async
+PPO instead: tests/unit/trainer/test_trust_anchor_route.py.)
 
 The D-ARL side is the CPU demo recipe with those overrides, as `darl-train` hands it to the
 learner (`AlgoConfig.effective_pmis_beta`: `algo.pmis_beta` sets the learner's beta_k). Through
@@ -37,8 +39,8 @@ from megatron_darl.config.learner import LearnerConfig, ModelConfig, OptimConfig
 from megatron_darl.types import TrainBatch
 from tests.helpers import REPO
 
-# the D-ARL recipe with K=1, selection off, pmis_beta=tokens, token IS truncated at 2
-DARL_K1_TOKENS = ["algo.k=1", "algo.sg=false", "algo.pmis=true", "algo.pmis_beta=tokens",
+# the D-ARL recipe with K=1, selection off, pmis_beta=tokens, the proximal anchor, token IS truncated at 2
+DARL_K1_TOKENS = ["algo.k=1", "algo.sg=false", "algo.pmis=true", "algo.pmis_beta=tokens", "algo.trust_anchor=proximal",
                   "algo.policy_loss=darl", "algo.rollout_is=token", "algo.rollout_is_mode=truncate",
                   "algo.rollout_is_threshold=2.0", "algo.ppo_n_minibatches=2"]
 
