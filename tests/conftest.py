@@ -47,6 +47,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_rank(monkeypatch):
+    """A world of one learner rank on gloo, torch at one thread; Megatron's groups and
+    torch.distributed torn down after, also when the test failed with a learner open."""
+    import torch
+
+    from megatron_darl.channel.ports import free_port
+    from megatron_darl.learner.parallel import destroy_parallel
+
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    torch.set_num_threads(1)
+    yield
+    destroy_parallel()
+
+
+@pytest.fixture
 def sandbox_runs_here() -> None:
     """The code sandbox runs here, else the test skips saying why, or fails where
     DARL_REQUIRE_SANDBOX=1 (`needs_sandbox` in tests/helpers/sandbox.py)."""

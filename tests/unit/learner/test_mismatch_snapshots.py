@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_darl.channel.ports import free_port
 from megatron_darl.learner import snapshots
 from tests.helpers import learner_worker as W
 
@@ -19,19 +18,6 @@ def _learner(hf_dir, every, eta):
                            OptimConfig(lr=3e-3, grad_clip=1.0),
                            LearnerConfig(micro_batch_tokens=96, mismatch_every=every),
                            W.learner_algo("ppo", old_logprob="behavior", max_head_offpolicyness=eta), seed=1)
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    import torch.distributed as dist
-
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(k, v)
-    torch.set_num_threads(1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
